@@ -1,0 +1,53 @@
+"""Runs the suite on the GPU when there is one, else on the CPU through the Triton
+interpreter. The interpreter must be chosen before triton is first imported."""
+
+import os
+
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA GPU (skipped on the CPU interpreter)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU; this run uses the Triton interpreter on the CPU"
+    )
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return "cuda" if HAS_GPU else "cpu"
+
+
+@pytest.fixture(scope="session")
+def fused_geglu():
+    """The package as users load it: the built tree through kernels.get_local_kernel."""
+    from kernels import get_local_kernel
+
+    if not (ROOT / "build" / "torch-cpu" / "metadata.json").exists():
+        pytest.fail("build/ is missing: run `make build` (make test does it)")
+    return get_local_kernel(ROOT)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

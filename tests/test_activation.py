@@ -1,0 +1,192 @@
+"""The GeGLU activation kernels against float64 references."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import HAS_GPU
+from reference import INTERPRETED_BF16_SLACK, assert_close_to_ref, geglu_ref, poisoned
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+APPROX = ["tanh", "none"]
+SHAPES = [(1, 1), (7, 13), (3, 5, 129), (9, 41, 4231), (2, 1, 1, 1000)]
+
+
+def slack(dtype):
+    return INTERPRETED_BF16_SLACK if dtype == torch.bfloat16 and not HAS_GPU else 1.0
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("approximate", APPROX)
+def test_geglu_forward(fused_geglu, device, shape, dtype, approximate):
+    gate = torch.randn(shape, dtype=dtype, device=device) * 3
+    up = torch.randn(shape, dtype=dtype, device=device)
+    out = fused_geglu.geglu(gate, up, approximate)
+    assert out.shape == gate.shape and out.dtype == dtype
+    eager = F.gelu(gate, approximate=approximate) * up
+    assert_close_to_ref(
+        out, geglu_ref(gate, up, approximate), eager, slack=slack(dtype)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("approximate", APPROX)
+def test_geglu_backward(fused_geglu, device, dtype, approximate):
+    shape = (5, 3, 1031)
+    gate = (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_()
+    up = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    dout = torch.randn(shape, dtype=dtype, device=device)
+    fused_geglu.geglu(gate, up, approximate).backward(dout)
+
+    g64, u64 = (
+        gate.detach().double().requires_grad_(),
+        up.detach().double().requires_grad_(),
+    )
+    geglu_ref(g64, u64, approximate).backward(dout.double())
+    ge, ue = (
+        gate.detach().clone().requires_grad_(),
+        up.detach().clone().requires_grad_(),
+    )
+    (F.gelu(ge, approximate=approximate) * ue).backward(dout)
+    assert_close_to_ref(gate.grad, g64.grad, ge.grad, slack=slack(dtype))
+    assert_close_to_ref(up.grad, u64.grad, ue.grad, slack=slack(dtype))
+
+
+def test_strided_and_expanded_inputs(fused_geglu, device):
+    """Row strides, a transposed view and a zero-stride (expand) input, no copies needed."""
+    base = torch.randn(64, 300, device=device)
+    gate = base[:, 17:217]  # row stride 300
+    up_t = torch.randn(200, 64, device=device).t()  # column stride 64
+    up_e = torch.randn(1, 200, device=device).expand(64, 200)  # row stride 0
+    for up in (up_t, up_e):
+        for approximate in APPROX:
+            out = fused_geglu.geglu(gate, up, approximate)
+            ref = geglu_ref(gate, up, approximate)
+            assert_close_to_ref(out, ref, F.gelu(gate, approximate=approximate) * up)
+
+
+def test_strided_backward(fused_geglu, device):
+    base = torch.randn(33, 2, 257, device=device)
+    gate = base[:, 0].clone().requires_grad_()
+    up_base = torch.randn(33, 2, 257, device=device, requires_grad=True)
+    up = up_base[:, 1]
+    dout = torch.randn(257, 33, device=device).t()  # non-contiguous incoming gradient
+    fused_geglu.geglu(gate, up, "tanh").backward(dout)
+    g64, u64 = (
+        gate.detach().double().requires_grad_(),
+        up.detach().double().requires_grad_(),
+    )
+    geglu_ref(g64, u64, "tanh").backward(dout.double())
+    torch.testing.assert_close(gate.grad.double(), g64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        up_base.grad[:, 1].double(), u64.grad, rtol=1e-5, atol=1e-5
+    )
+    assert (up_base.grad[:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (4, 0), (2, 0, 8)], ids=str)
+def test_empty(fused_geglu, device, shape):
+    gate = torch.randn(shape, device=device, requires_grad=True)
+    up = torch.randn(shape, device=device, requires_grad=True)
+    out = fused_geglu.geglu(gate, up)
+    assert out.shape == shape
+    out.sum().backward()
+    assert gate.grad.shape == shape and up.grad.shape == shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "fn, approximate", [("gelu_and_mul", "none"), ("gelu_tanh_and_mul", "tanh")]
+)
+def test_gelu_and_mul(fused_geglu, device, dtype, fn, approximate):
+    """kernels-community `activation` semantics: x = [..., 2d], gate first, out written in place."""
+    x = torch.randn(3, 7, 2 * 521, dtype=dtype, device=device) * 2
+    out = poisoned((3, 7, 521), dtype, device)
+    result = getattr(fused_geglu, fn)(out, x)
+    assert result is out
+    gate, up = x[..., :521], x[..., 521:]
+    eager = F.gelu(gate, approximate=approximate) * up
+    assert_close_to_ref(
+        out, geglu_ref(gate, up, approximate), eager, slack=slack(dtype)
+    )
+
+
+def test_gelu_and_mul_into_strided_out(fused_geglu, device):
+    x = torch.randn(6, 2 * 100, device=device)
+    big = poisoned((6, 150), torch.float32, device)
+    out = big[:, 25:125]
+    fused_geglu.gelu_and_mul(out, x)
+    torch.testing.assert_close(
+        out.double(), geglu_ref(x[:, :100], x[:, 100:], "none"), rtol=1e-5, atol=1e-6
+    )
+    assert big[:, :25].isnan().all() and big[:, 125:].isnan().all(), (
+        "wrote outside the view"
+    )
+    permuted = poisoned((100, 6, 3), torch.float32, device).permute(1, 2, 0)[
+        :, :2
+    ]  # no single row stride
+    x3 = torch.randn(6, 2, 200, device=device)
+    fused_geglu.gelu_tanh_and_mul(permuted, x3)
+    torch.testing.assert_close(
+        permuted.double(),
+        geglu_ref(x3[..., :100], x3[..., 100:], "tanh"),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_new_token_count_does_not_recompile(fused_geglu, device):
+    """The token count is a runtime argument: no new JIT specialisation when it changes."""
+    kernel = fused_geglu.activation._geglu_fwd_kernel
+    if not hasattr(kernel, "device_caches"):
+        pytest.skip("the interpreter keeps no compilation cache")
+    fused_geglu.geglu(
+        torch.randn(5, 256, device=device), torch.randn(5, 256, device=device)
+    )
+    before = sum(len(c[0]) for c in kernel.device_caches.values())
+    for m in (1, 16, 17, 1000, 4097):
+        fused_geglu.geglu(
+            torch.randn(m, 256, device=device), torch.randn(m, 256, device=device)
+        )
+    assert sum(len(c[0]) for c in kernel.device_caches.values()) == before
+
+
+def test_opcheck(fused_geglu, device):
+    gate = torch.randn(4, 33, device=device, requires_grad=True)
+    up = torch.randn(4, 33, device=device, requires_grad=True)
+    for approximate in APPROX:
+        torch.library.opcheck(fused_geglu.ops._geglu, (gate, up, approximate))
+        # The backward op has no derivative itself (double backward is not supported).
+        dout = torch.randn(4, 33, device=device)
+        torch.library.opcheck(
+            fused_geglu.ops._geglu_backward,
+            (dout, gate.detach(), up.detach(), approximate),
+        )
+    x = torch.randn(4, 66, device=device)
+    torch.library.opcheck(
+        fused_geglu.ops._gelu_and_mul, (torch.empty(4, 33, device=device), x, "tanh")
+    )
+
+
+def test_torch_compile_fullgraph(fused_geglu, device):
+    torch._dynamo.reset()
+
+    def f(gate, up, x):
+        out = torch.empty(x.shape[0], x.shape[1] // 2, device=x.device)
+        return fused_geglu.geglu(gate, up, "none") * 2, fused_geglu.gelu_tanh_and_mul(
+            out, x
+        )
+
+    compiled = torch.compile(f, fullgraph=True)
+    gate = torch.randn(8, 40, device=device, requires_grad=True)
+    up = torch.randn(8, 40, device=device, requires_grad=True)
+    x = torch.randn(8, 80, device=device)
+    (a, b), (ea, eb) = compiled(gate, up, x), f(gate, up, x)
+    torch.testing.assert_close(a, ea)
+    torch.testing.assert_close(b, eb)
+    a.sum().backward()
+    grads = gate.grad.clone(), up.grad.clone()
+    gate.grad = up.grad = None
+    ea.sum().backward()
+    torch.testing.assert_close(grads[0], gate.grad)
+    torch.testing.assert_close(grads[1], up.grad)

@@ -1,0 +1,173 @@
+"""Real transformers models from tiny configs (random weights, no downloads), kernelized
+with our GeGLUMLP layer, against the eager model."""
+
+import copy
+
+import pytest
+import torch
+from conftest import ROOT
+from kernels import (
+    LocalLayerRepository,
+    Mode,
+    kernelize,
+    replace_kernel_forward_from_hub,
+    use_kernel_mapping,
+)
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
+)
+from transformers.models.gemma.modeling_gemma import GemmaMLP
+from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
+from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP
+
+TINY = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 136,  # a multiple of no tile size
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": 64,
+}
+FAMILIES = {
+    "gemma": (
+        GemmaConfig,
+        GemmaForCausalLM,
+        GemmaMLP,
+        {"hidden_act": "gelu_pytorch_tanh"},
+    ),
+    "gemma2": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma2MLP,
+        {"hidden_activation": "gelu_pytorch_tanh"},
+    ),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        Gemma3MLP,
+        {"hidden_activation": "gelu_pytorch_tanh"},
+    ),
+}
+for _, _, mlp_cls, _ in FAMILIES.values():
+    replace_kernel_forward_from_hub(mlp_cls, "GeGLUMLP")
+
+
+def tiny_model(family: str, device: str, **overrides):
+    config_cls, model_cls, _, act = FAMILIES[family]
+    config = config_cls(**{**TINY, **act, **overrides}, attn_implementation="eager")
+    return model_cls(config).to(device).eval()
+
+
+def kernelized(model, device: str, mode: Mode):
+    mapping = {"GeGLUMLP": {device: LocalLayerRepository(ROOT, layer_name="GeGLUMLP")}}
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        return kernelize(model, mode=mode, device=device)
+
+
+def mlps(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+
+
+def assert_runs_our_layer(model):
+    assert mlps(model), "no MLP found"
+    for mlp in mlps(model):
+        assert mlp.forward.__func__.__qualname__ == "GeGLUMLP.forward", (
+            "kernelize kept the original forward"
+        )
+
+
+def inputs(device, batch=2, seq=11):
+    return torch.randint(0, TINY["vocab_size"], (batch, seq), device=device)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "gelu_new", "gelu"])
+def test_inference_matches_eager(device, family, activation):
+    key = "hidden_act" if family == "gemma" else "hidden_activation"
+    eager = tiny_model(family, device, **{key: activation})
+    ours = kernelized(copy.deepcopy(eager), device, Mode.INFERENCE)
+    assert_runs_our_layer(ours)
+    ids = inputs(device)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(ids).logits, eager(ids).logits, rtol=1e-4, atol=1e-4
+        )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_gradients_match_eager(device, family):
+    eager = tiny_model(family, device).train()
+    ours = kernelized(copy.deepcopy(eager), device, Mode.TRAINING)
+    assert_runs_our_layer(ours)
+    ids = inputs(device)
+    for model in (eager, ours):
+        model(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(eager.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generate_same_tokens(device, family):
+    eager = tiny_model(family, device)
+    ours = kernelized(copy.deepcopy(eager), device, Mode.INFERENCE)
+    ids = inputs(device, batch=1, seq=5)
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+
+
+def test_unsupported_activation_is_refused(device):
+    eager = tiny_model("gemma2", device, hidden_activation="silu")
+    ours = kernelized(copy.deepcopy(eager), device, Mode.INFERENCE)
+    with pytest.raises(ValueError, match="SiLUActivation"):
+        ours(inputs(device))
+
+
+def test_saved_checkpoint_then_kernelize(device, tmp_path):
+    """The load-time path a CPU user takes: from_pretrained of a safetensors checkpoint,
+    then kernelize (transformers' use_kernels=True refuses the CPU; see the GPU test)."""
+    eager = tiny_model("gemma3", device)
+    eager.save_pretrained(tmp_path, safe_serialization=True)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = Gemma3ForCausalLM.from_pretrained(tmp_path).to(device).eval()
+    ours = kernelized(loaded, device, Mode.INFERENCE)
+    assert_runs_our_layer(ours)
+    ids = inputs(device)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(ids).logits, eager(ids).logits, rtol=1e-4, atol=1e-4
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_pretrained_use_kernels(device, family, tmp_path, monkeypatch):
+    """transformers' load-time path: use_kernels=True with a KernelConfig, our checkout
+    standing in for the Hub repository through LOCAL_KERNELS."""
+    import kernels.load
+    from transformers import KernelConfig
+
+    monkeypatch.setenv("LOCAL_KERNELS", f"org/fused-geglu={ROOT}")
+    kernels.load._parse_local_kernel_overrides.cache_clear()
+    eager = tiny_model(family, device)
+    eager.save_pretrained(tmp_path)
+    config = KernelConfig(
+        kernel_mapping={"GeGLUMLP": ("org/fused-geglu:GeGLUMLP", {"revision": "main"})},
+        inherit_mapping=False,
+    )
+    model_cls = FAMILIES[family][1]
+    ours = model_cls.from_pretrained(
+        tmp_path, use_kernels=True, kernel_config=config, device_map=device
+    ).eval()
+    assert_runs_our_layer(ours)
+    ids = inputs(device)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(ids).logits, eager(ids).logits, rtol=1e-4, atol=1e-4
+        )

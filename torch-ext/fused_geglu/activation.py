@@ -1,0 +1,235 @@
+"""GeGLU activation: the GeLU math shared by every kernel, and the elementwise kernels.
+
+GeLU variants (``APPROX_TANH`` picks one at compile time):
+  exact: gelu(x) = 0.5 * x * (1 + erf(x / sqrt(2)))
+  tanh:  gelu(x) = 0.5 * x * (1 + tanh(k0 * (x + k1 * x^3))),  k0 = sqrt(2/pi), k1 = 0.044715
+
+Derivatives, written in the order PyTorch's ``gelu_backward`` evaluates them so that
+NaN/Inf propagate exactly as in eager (e.g. ``0 * inf`` gives NaN there too):
+  exact: gelu'(x) = 0.5 * (1 + erf(x / sqrt(2))) + x * exp(-x^2 / 2) / sqrt(2 pi)
+  tanh:  t = tanh(k0 * (x + k1 x^3));
+         gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) * k0 (1 + 3 k1 x^2)
+
+Rounding follows transformers' eager ``act_fn(gate) * up``: the activation is rounded to
+the input dtype before the multiply, and the product is rounded again; in backward the
+product's gradient ``dy * up`` is rounded before ``gelu'`` is applied.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+GELU_TANH_K1 = 0.044715
+# triton.jit picks the interpreter when a kernel is defined; read the knob once, here.
+INTERPRETED = triton.knobs.runtime.interpret
+
+
+@triton.jit
+def _tanh(z):
+    # 1 - 2 / (exp(2z) + 1): exp overflow gives exactly +-1, never inf/inf = NaN.
+    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+
+
+@triton.jit
+def gelu(x, APPROX_TANH: tl.constexpr):
+    """GeLU of an fp32 tensor."""
+    if APPROX_TANH:
+        inner = SQRT_2_OVER_PI * (x + GELU_TANH_K1 * x * x * x)
+        return 0.5 * x * (1.0 + _tanh(inner))
+    else:
+        return 0.5 * x * (1.0 + tl.erf(x * INV_SQRT_2))
+
+
+@triton.jit
+def gelu_grad(x, APPROX_TANH: tl.constexpr):
+    """d gelu(x) / dx of an fp32 tensor (see the module docstring)."""
+    if APPROX_TANH:
+        x_sq = x * x
+        t = _tanh(SQRT_2_OVER_PI * (x + GELU_TANH_K1 * x_sq * x))
+        right_derivative = 0.5 * x * (1.0 - t * t)
+        inner_derivative = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_K1 * x_sq)
+        return 0.5 * (1.0 + t) + right_derivative * inner_derivative
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(x * INV_SQRT_2))
+        pdf = tl.exp(-0.5 * x * x) * INV_SQRT_2PI
+        return cdf + x * pdf
+
+
+@triton.jit
+def geglu_tile(gate, up, OUT_DTYPE: tl.constexpr, APPROX_TANH: tl.constexpr):
+    """round(round(gelu(gate)) * up) for fp32 tiles: eager's rounding points."""
+    act = gelu(gate, APPROX_TANH).to(OUT_DTYPE).to(tl.float32)
+    return (act * up).to(OUT_DTYPE)
+
+
+@triton.jit
+def _tile_offsets(
+    pid_m, pid_n, M, N, stride_m, stride_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    # int64 so that rows * stride never wraps past 2^31 elements.
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    return offs_m[:, None] * stride_m + offs_n[None, :] * stride_n, mask
+
+
+@triton.jit(do_not_specialize=["M"])
+def _geglu_fwd_kernel(
+    gate_ptr,  # [M, N]
+    up_ptr,  # [M, N]
+    out_ptr,  # [M, N]
+    M,
+    N,
+    stride_gm,
+    stride_gn,
+    stride_um,
+    stride_un,
+    stride_om,
+    stride_on,
+    APPROX_TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_g, mask = _tile_offsets(
+        pid_m, pid_n, M, N, stride_gm, stride_gn, BLOCK_M, BLOCK_N
+    )
+    offs_u, _ = _tile_offsets(
+        pid_m, pid_n, M, N, stride_um, stride_un, BLOCK_M, BLOCK_N
+    )
+    offs_o, _ = _tile_offsets(
+        pid_m, pid_n, M, N, stride_om, stride_on, BLOCK_M, BLOCK_N
+    )
+    # Streamed once: keep them out of L2's way.
+    gate = tl.load(gate_ptr + offs_g, mask=mask, eviction_policy="evict_first").to(
+        tl.float32
+    )
+    up = tl.load(up_ptr + offs_u, mask=mask, eviction_policy="evict_first").to(
+        tl.float32
+    )
+    out = geglu_tile(gate, up, out_ptr.dtype.element_ty, APPROX_TANH)
+    tl.store(out_ptr + offs_o, out, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _geglu_bwd_kernel(
+    dout_ptr,  # [M, N]
+    gate_ptr,  # [M, N]
+    up_ptr,  # [M, N]
+    dgate_ptr,  # [M, N], contiguous
+    dup_ptr,  # [M, N], contiguous
+    M,
+    N,
+    stride_dm,
+    stride_dn,
+    stride_gm,
+    stride_gn,
+    stride_um,
+    stride_un,
+    APPROX_TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_d, mask = _tile_offsets(
+        pid_m, pid_n, M, N, stride_dm, stride_dn, BLOCK_M, BLOCK_N
+    )
+    offs_g, _ = _tile_offsets(
+        pid_m, pid_n, M, N, stride_gm, stride_gn, BLOCK_M, BLOCK_N
+    )
+    offs_u, _ = _tile_offsets(
+        pid_m, pid_n, M, N, stride_um, stride_un, BLOCK_M, BLOCK_N
+    )
+    offs_o, _ = _tile_offsets(pid_m, pid_n, M, N, N, 1, BLOCK_M, BLOCK_N)
+    dtype = dgate_ptr.dtype.element_ty
+    dout = tl.load(dout_ptr + offs_d, mask=mask, eviction_policy="evict_first").to(
+        tl.float32
+    )
+    gate = tl.load(gate_ptr + offs_g, mask=mask, eviction_policy="evict_first").to(
+        tl.float32
+    )
+    up = tl.load(up_ptr + offs_u, mask=mask, eviction_policy="evict_first").to(
+        tl.float32
+    )
+    # Recompute gelu(gate) instead of saving it: one read of gate serves both grads.
+    act = gelu(gate, APPROX_TANH).to(dtype).to(tl.float32)
+    dup = dout * act
+    dact = (dout * up).to(dtype).to(tl.float32)
+    dgate = dact * gelu_grad(gate, APPROX_TANH)
+    tl.store(dgate_ptr + offs_o, dgate.to(dtype), mask=mask)
+    tl.store(dup_ptr + offs_o, dup.to(dtype), mask=mask)
+
+
+def _elementwise_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for an [M, N] elementwise pass.
+
+    A row tile spans up to 16 bytes x 32 lanes x 4 warps (1024 bf16 / 512 fp32 columns), so
+    every load is a 16-byte vector; rows are stacked until a program streams ~4096 elements
+    (16 KiB of each bf16 operand in flight), which keeps the H200's HBM queues full.
+    """
+    vec = 16 // elem_bytes
+    block_n = min(triton.next_power_of_2(max(n_cols, 1)), vec * 32 * 4)
+    block_m = max(1, 4096 // block_n)
+    return block_m, block_n, 4
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
+    """A 2-D [rows, cols] view of ``t`` over its leading dims, or None when their strides
+    cannot be expressed as one row stride (e.g. a permuted batch)."""
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """2-D rows of an input; copies only in the case ``_rows_view`` cannot express."""
+    rows = _rows_view(t)
+    return rows if rows is not None else t.reshape(-1, t.shape[-1])
+
+
+def geglu_fwd(
+    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, approximate: str
+) -> None:
+    """out = round(gelu(gate)) * up; the three tensors share a shape, ``out`` may be any view."""
+    if gate.numel() == 0:
+        return
+    g, u, o = _as_rows(gate), _as_rows(up), _rows_view(out)
+    M, N = g.shape
+    if o is None:
+        tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        geglu_fwd(gate, up, tmp, approximate)
+        out.copy_(tmp)
+        return
+    block_m, block_n, num_warps = _elementwise_config(N, gate.element_size())
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _geglu_fwd_kernel[grid](
+        g, u, o, M, N, *g.stride(), *u.stride(), *o.stride(),
+        APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def geglu_bwd(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) of out = gelu(gate) * up, both contiguous and shaped like ``gate``."""
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty_like(dgate)
+    if gate.numel() == 0:
+        return dgate, dup
+    d, g, u = _as_rows(dout), _as_rows(gate), _as_rows(up)
+    M, N = g.shape
+    block_m, block_n, num_warps = _elementwise_config(N, gate.element_size())
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _geglu_bwd_kernel[grid](
+        d, g, u, dgate, dup, M, N, *d.stride(), *g.stride(), *u.stride(),
+        APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return dgate, dup

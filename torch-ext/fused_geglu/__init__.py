@@ -1,6 +1,14 @@
 """fused-geglu: Triton GeGLU kernels and drop-in layers for the Hugging Face kernels Hub."""
 
 from . import layers
-from .ops import geglu, gelu_and_mul, gelu_tanh_and_mul
+from .ops import geglu, geglu_linear, geglu_mlp, gelu_and_mul, gelu_tanh_and_mul, linear
 
-__all__ = ["geglu", "gelu_and_mul", "gelu_tanh_and_mul", "layers"]
+__all__ = [
+    "geglu",
+    "geglu_linear",
+    "geglu_mlp",
+    "gelu_and_mul",
+    "gelu_tanh_and_mul",
+    "layers",
+    "linear",
+]

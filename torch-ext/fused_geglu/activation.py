@@ -189,8 +189,10 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
     """2-D rows of an input; copies only in the case ``_rows_view`` cannot express."""
+    if t.shape[-1] == 0:
+        return t.reshape(t.shape[:-1].numel(), 0)
     rows = _rows_view(t)
     return rows if rows is not None else t.reshape(-1, t.shape[-1])
 
@@ -201,7 +203,7 @@ def geglu_fwd(
     """out = round(gelu(gate)) * up; the three tensors share a shape, ``out`` may be any view."""
     if gate.numel() == 0:
         return
-    g, u, o = _as_rows(gate), _as_rows(up), _rows_view(out)
+    g, u, o = as_rows(gate), as_rows(up), _rows_view(out)
     M, N = g.shape
     if o is None:
         tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
@@ -224,7 +226,7 @@ def geglu_bwd(
     dup = torch.empty_like(dgate)
     if gate.numel() == 0:
         return dgate, dup
-    d, g, u = _as_rows(dout), _as_rows(gate), _as_rows(up)
+    d, g, u = as_rows(dout), as_rows(gate), as_rows(up)
     M, N = g.shape
     block_m, block_n, num_warps = _elementwise_config(N, gate.element_size())
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))

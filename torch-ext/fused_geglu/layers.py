@@ -8,7 +8,7 @@ here as annotations. Each forward has the signature of the forward it replaces.
 import torch
 from torch import nn
 
-from .ops import geglu
+from .ops import geglu, geglu_mlp, linear
 
 # transformers' tanh-GeLU modules (ACT2FN "gelu_pytorch_tanh", "gelu_python_tanh",
 # "gelu_new", "gelu_fast") all compute 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -52,4 +52,35 @@ class GeGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         approximate = gelu_approximation(self.act_fn)
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), approximate))
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if (
+            type(gate) is nn.Linear
+            and type(up) is nn.Linear
+            and type(down) is nn.Linear
+        ):
+            return geglu_mlp(
+                x,
+                gate.weight,
+                up.weight,
+                down.weight,
+                gate.bias,
+                up.bias,
+                down.bias,
+                approximate,
+            )
+        # Wrapped or quantised projections (LoRA, bitsandbytes...): keep their own
+        # forwards, fuse only the activation.
+        return down(geglu(gate(x), up(x), approximate))
+
+
+class Linear(nn.Module):
+    """``nn.Linear``: ``input @ weight.T + bias`` with the bias in the GEMM epilogue."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return linear(input, self.weight, self.bias)

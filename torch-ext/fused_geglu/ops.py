@@ -9,7 +9,8 @@ build's ``_ops.py`` and is unique per build, as kernel-builder's is.
 import torch
 
 from ._ops import add_op_namespace_prefix
-from .activation import INTERPRETED, geglu_bwd, geglu_fwd
+from .activation import INTERPRETED, as_rows, geglu_bwd, geglu_fwd
+from .gemm import ACTIVATIONS, gemm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 APPROXIMATIONS = ("tanh", "none")
@@ -162,3 +163,310 @@ def gelu_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """As ``gelu_and_mul`` with the tanh approximation of GeLU."""
     return _gelu_and_mul_checked("gelu_tanh_and_mul", out, x, "tanh")
+
+
+# --- Linear with bias/activation epilogue -----------------------------------------------
+
+
+def _empty(
+    like: torch.Tensor, *shape: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("linear"), mutates_args=())
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    store_preact: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x2 = as_rows(x)
+    y = _empty(x, x2.shape[0], weight.shape[0])
+    preact = _empty(x, *y.shape) if store_preact else _empty(x, 0)
+    gemm(
+        x2,
+        weight,
+        y,
+        bias1=bias,
+        activation=activation,
+        preact1=preact if store_preact else None,
+    )
+    return y.view(*x.shape[:-1], weight.shape[0]), preact
+
+
+@_linear.register_fake
+def _(x, weight, bias, activation, store_preact):
+    m = x.shape[:-1].numel()
+    preact = _empty(x, m, weight.shape[0]) if store_preact else _empty(x, 0)
+    return _empty(x, *x.shape[:-1], weight.shape[0]), preact
+
+
+@torch.library.custom_op(add_op_namespace_prefix("linear_backward"), mutates_args=())
+def _linear_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    preact: torch.Tensor,
+    activation: str | None,
+    has_bias: bool,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dy2, x2 = as_rows(dy), as_rows(x)
+    # With an activation, dZ = round(dY * act'(Z)) is formed in each GEMM's prologue.
+    act, z = (activation, preact) if activation is not None else (None, None)
+    dx = _empty(x, *x.shape) if need_dx else _empty(x, 0)
+    dw = _empty(weight, *weight.shape) if need_dw else _empty(weight, 0)
+    db32 = (
+        _empty(dy, weight.shape[0], dtype=torch.float32) if has_bias else _empty(dy, 0)
+    )
+    if need_dx:  # dX = dZ @ W
+        gemm(dy2, weight.t(), as_rows(dx), grad_act=act, grad_act_of=z)
+    if need_dw or has_bias:  # dW = dZ^T @ X; db = row sums of dZ^T, in the same GEMM
+        dw_out = dw if need_dw else _empty(weight, *weight.shape)
+        gemm(
+            dy2.t(), x2.t(), dw_out, grad_act=act, grad_act_of=None if z is None else z.t(),
+            sum_a=db32 if has_bias else None,
+        )  # fmt: skip
+    return dx, dw, db32.to(dy.dtype)
+
+
+@_linear_backward.register_fake
+def _(dy, x, weight, preact, activation, has_bias, need_dx, need_dw):
+    return (
+        _empty(x, *x.shape) if need_dx else _empty(x, 0),
+        _empty(weight, *weight.shape) if need_dw else _empty(weight, 0),
+        _empty(dy, weight.shape[0] if has_bias else 0),
+    )
+
+
+def _linear_setup_context(ctx, inputs, output):
+    x, weight, bias, activation, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.activation = activation
+    ctx.has_bias = bias is not None
+
+
+def _linear_autograd(ctx, dy, _dpreact):
+    x, weight, preact = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dx, dw, db = _linear_backward(
+        dy,
+        x,
+        weight,
+        preact,
+        ctx.activation,
+        ctx.has_bias and need_db,
+        need_dx,
+        need_dw,
+    )
+    return (
+        dx if need_dx else None,
+        dw if need_dw else None,
+        db if need_db else None,
+        None,
+        None,
+    )
+
+
+_linear.register_autograd(_linear_autograd, setup_context=_linear_setup_context)
+
+
+def _check_linear(
+    op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    tensors = {"x": x, "weight": weight} | ({"bias": bias} if bias is not None else {})
+    check_tensors(op, **tensors)
+    if weight.dim() != 2:
+        raise ValueError(
+            f"{op}: weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}"
+        )
+    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{op}: x's last dim must equal weight's in_features, got x {tuple(x.shape)} and weight "
+            f"{tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"{op}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"
+        )
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in tensors
+    )
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` in one kernel: bias and activation in the epilogue.
+
+    x: [..., K]; weight: [N, K] (``nn.Linear`` layout, any strides); bias: [N];
+    activation: None, "gelu" (exact) or "gelu_tanh". Differentiable in all three.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"linear: activation must be None, 'gelu' or 'gelu_tanh', got {activation!r}"
+        )
+    _check_linear("linear", x, weight, bias)
+    store_preact = activation is not None and _needs_grad(x, weight, bias)
+    return _linear(x, weight, bias, activation, store_preact)[0]
+
+
+# --- GeGLU dual GEMM --------------------------------------------------------------------
+
+
+@torch.library.custom_op(add_op_namespace_prefix("geglu_linear"), mutates_args=())
+def _geglu_linear(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    b_up: torch.Tensor | None,
+    approximate: str,
+    store_preact: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x2 = as_rows(x)
+    m, n = x2.shape[0], w_gate.shape[0]
+    h = _empty(x, m, n)
+    gate, up = (
+        (_empty(x, m, n), _empty(x, m, n))
+        if store_preact
+        else (_empty(x, 0), _empty(x, 0))
+    )
+    activation = "gelu_tanh" if approximate == "tanh" else "gelu"
+    gemm(
+        x2, w_gate, h, b2=w_up, bias1=b_gate, bias2=b_up, activation=activation,
+        preact1=gate if store_preact else None, preact2=up if store_preact else None,
+    )  # fmt: skip
+    return h.view(*x.shape[:-1], n), gate, up
+
+
+@_geglu_linear.register_fake
+def _(x, w_gate, w_up, b_gate, b_up, approximate, store_preact):
+    m, n = x.shape[:-1].numel(), w_gate.shape[0]
+    pre = (
+        (_empty(x, m, n), _empty(x, m, n))
+        if store_preact
+        else (_empty(x, 0), _empty(x, 0))
+    )
+    return _empty(x, *x.shape[:-1], n), *pre
+
+
+@torch.library.custom_op(
+    add_op_namespace_prefix("geglu_linear_backward"), mutates_args=()
+)
+def _geglu_linear_backward(
+    dh: torch.Tensor,
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    approximate: str,
+    has_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x2 = as_rows(x)
+    dgate, dup = geglu_bwd(as_rows(dh), gate, up, approximate)
+    dx = _empty(x, *x.shape)
+    dx2 = as_rows(dx)
+    gemm(dgate, w_gate.t(), dx2)  # dX = dGate @ Wg + dUp @ Wu
+    gemm(dup, w_up.t(), dx2, add_c=True)
+    grads = []
+    for d, w in ((dgate, w_gate), (dup, w_up)):  # dW = d^T @ X, db = row sums of d^T
+        dw = _empty(w, *w.shape)
+        db32 = _empty(d, w.shape[0], dtype=torch.float32) if has_bias else _empty(d, 0)
+        gemm(d.t(), x2.t(), dw, sum_a=db32 if has_bias else None)
+        grads += [dw, db32.to(d.dtype)]
+    return dx, grads[0], grads[2], grads[1], grads[3]
+
+
+@_geglu_linear_backward.register_fake
+def _(dh, x, w_gate, w_up, gate, up, approximate, has_bias):
+    nb = w_gate.shape[0] if has_bias else 0
+    return (
+        _empty(x, *x.shape),
+        _empty(w_gate, *w_gate.shape),
+        _empty(w_up, *w_up.shape),
+        _empty(x, nb),
+        _empty(x, nb),
+    )
+
+
+def _geglu_linear_setup_context(ctx, inputs, output):
+    x, w_gate, w_up, b_gate, _, approximate, _ = inputs
+    _, gate, up = output
+    ctx.save_for_backward(x, w_gate, w_up, gate, up)
+    ctx.approximate = approximate
+    ctx.has_bias = b_gate is not None
+
+
+def _geglu_linear_autograd(ctx, dh, _dgate, _dup):
+    x, w_gate, w_up, gate, up = ctx.saved_tensors
+    dx, dwg, dwu, dbg, dbu = _geglu_linear_backward(
+        dh, x, w_gate, w_up, gate, up, ctx.approximate, ctx.has_bias
+    )
+    return (
+        dx,
+        dwg,
+        dwu,
+        dbg if ctx.has_bias else None,
+        dbu if ctx.has_bias else None,
+        None,
+        None,
+    )
+
+
+_geglu_linear.register_autograd(
+    _geglu_linear_autograd, setup_context=_geglu_linear_setup_context
+)
+
+
+def geglu_linear(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    approximate: str = "tanh",
+) -> torch.Tensor:
+    """``gelu(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)`` in one dual-GEMM kernel: each x
+    tile is loaded once for both products and gate/up never reach HBM unless autograd
+    needs them. Weights are [I, H] in any strides, so the halves of one fused [2I, H]
+    weight (ModernBERT ``Wi``, diffusers ``GEGLU.proj``) are passed as row slices, no copy.
+    """
+    _check_approximate("geglu_linear", approximate)
+    _check_linear("geglu_linear", x, w_gate, b_gate)
+    _check_linear("geglu_linear", x, w_up, b_up)
+    if w_gate.shape != w_up.shape:
+        raise ValueError(
+            f"geglu_linear: w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ"
+        )
+    if (b_gate is None) != (b_up is None):
+        raise ValueError("geglu_linear: pass both biases or neither")
+    store_preact = _needs_grad(x, w_gate, w_up, b_gate, b_up)
+    return _geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate, store_preact)[0]
+
+
+def geglu_mlp(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    approximate: str = "tanh",
+) -> torch.Tensor:
+    """``down(gelu(gate(x)) * up(x))`` in two kernels: the GeGLU dual GEMM, then the
+    down projection with its bias in the epilogue."""
+    return linear(
+        geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate), w_down, b_down
+    )

@@ -1,0 +1,111 @@
+"""The bias/activation-epilogue linear against float64 autograd. bf16 GEMMs only on the
+GPU: the interpreter multiplies raw bits for bf16 tl.dot."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import HAS_GPU
+from reference import assert_close_to_ref
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_GPU else [])
+ACTS = [None, "gelu", "gelu_tanh"]
+SHAPES = [(1, 7, 129), (7, 129, 1), (129, 33, 4231), (70, 300, 64)]  # (M, N, K)
+
+
+def torch_linear(x, w, b, activation):
+    y = F.linear(x, w, b)
+    if activation is not None:
+        y = F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return y
+
+
+def leaves(*tensors):
+    return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+
+
+def run_and_grads(fn, x, w, b, dy):
+    x, w, b = leaves(x, w, b)
+    y = fn(x, w, b)
+    y.backward(dy)
+    return y.detach(), [None if t is None else t.grad for t in (x, w, b)]
+
+
+@pytest.mark.parametrize("mnk", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("activation", ACTS)
+def test_linear_forward_backward(fused_geglu, device, mnk, dtype, bias, activation):
+    m, n, k = mnk
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    b = torch.randn(n, dtype=dtype, device=device) if bias else None
+    dy = torch.randn(m, n, dtype=dtype, device=device)
+    ours, ours_g = run_and_grads(
+        lambda *a: fused_geglu.linear(*a, activation), x, w, b, dy
+    )
+    ref, ref_g = run_and_grads(
+        lambda *a: torch_linear(*a, activation),
+        x.double(),
+        w.double(),
+        None if b is None else b.double(),
+        dy.double(),
+    )
+    eager, eager_g = run_and_grads(lambda *a: torch_linear(*a, activation), x, w, b, dy)
+    assert_close_to_ref(ours, ref, eager)
+    for o, r, e in zip(ours_g, ref_g, eager_g):
+        if o is not None:
+            assert_close_to_ref(o, r, e)
+
+
+def test_3d_and_strided_inputs(fused_geglu, device):
+    """Leading dims, a column-sliced x and a transposed weight view: read through strides."""
+    big = torch.randn(3, 5, 200, device=device)
+    x = big[..., 10:110]  # row stride 200
+    w = torch.randn(100, 48, device=device).t()  # [48, 100] with strides (1, 48)
+    b = torch.randn(48, device=device)
+    y = fused_geglu.linear(x, w, b, "gelu")
+    assert y.shape == (3, 5, 48)
+    ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
+    assert_close_to_ref(y, ref, F.gelu(F.linear(x, w, b)))
+
+
+def test_layer_kernelizes_nn_linear(fused_geglu, device):
+    from conftest import ROOT
+    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(40, 24)
+            self.proj.kernel_layer_name = (
+                "Linear"  # what replace_kernel_forward_from_hub sets
+            )
+
+        def forward(self, x):
+            return self.proj(x).relu()
+
+    model = Block().to(device)
+    x = torch.randn(4, 3, 40, device=device)
+    expected = model(x)
+    mapping = {"Linear": {device: LocalLayerRepository(ROOT, layer_name="Linear")}}
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        kernelize(model, mode=Mode.TRAINING | Mode.TORCH_COMPILE, device=device)
+    assert model.proj.forward.__func__.__qualname__ == "Linear.forward"
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck_and_compile(fused_geglu, device):
+    x = torch.randn(5, 33, device=device, requires_grad=True)
+    w = torch.randn(17, 33, device=device, requires_grad=True)
+    b = torch.randn(17, device=device, requires_grad=True)
+    for act in ACTS:
+        torch.library.opcheck(fused_geglu.ops._linear, (x, w, b, act, act is not None))
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x, w, b: fused_geglu.linear(x, w, b, "gelu_tanh"), fullgraph=True
+    )
+    torch.testing.assert_close(
+        compiled(x, w, b), fused_geglu.linear(x, w, b, "gelu_tanh")
+    )
+    compiled(x, w, b).sum().backward()

@@ -1,0 +1,248 @@
+"""The package as kernels 0.17.2 sees it: the build layout and metadata, and every way a
+user loads it (local path, local layer, LOCAL_KERNELS override), all without network."""
+
+import ast
+import importlib.util
+import inspect
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import huggingface_hub.constants
+import kernels
+import kernels.load
+import pytest
+import tomllib
+import torch
+from conftest import ROOT
+from kernels._rust import Backend
+from kernels.layer.layer import _validate_layer
+from reference import geglu_ref, rel_err
+from torch import nn
+from transformers.models.gemma.modeling_gemma import GemmaMLP
+from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
+from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP
+
+GENERAL = tomllib.loads((ROOT / "build.toml").read_text())["general"]
+REPO_ID = GENERAL["hub"]["repo-id"]
+SOURCES = ROOT / "torch-ext" / GENERAL["name"].replace("-", "_")
+
+
+def _raise_no_network(*args, **kwargs):
+    raise OSError(f"network access attempted: {args!r}")
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Offline mode for huggingface_hub, and any socket connection or DNS lookup raises."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # kernels reads the constant, which huggingface_hub set from the env at import.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(socket.socket, "connect", _raise_no_network)
+    monkeypatch.setattr(socket.socket, "connect_ex", _raise_no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", _raise_no_network)
+
+
+@pytest.fixture
+def local_kernels(monkeypatch, no_network):
+    """``LOCAL_KERNELS`` points REPO_ID at this checkout; kernels caches the parsed variable."""
+    monkeypatch.setenv("LOCAL_KERNELS", f"{REPO_ID}={ROOT}")
+    kernels.load._parse_local_kernel_overrides.cache_clear()
+    yield
+    kernels.load._parse_local_kernel_overrides.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """scripts/build.py run as `make build` runs it, into a fresh directory."""
+    out = tmp_path_factory.mktemp("build")
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "build.py"), "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+def head_revision() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def check_geglu(module, device):
+    gate = torch.randn(3, 5, 257, device=device) * 3
+    up = torch.randn(3, 5, 257, device=device)
+    out = module.geglu(gate, up)
+    assert rel_err(out, geglu_ref(gate, up, "tanh")) < 1e-6
+
+
+# --- build layout and metadata ---------------------------------------------------------
+
+
+def test_build_writes_one_variant_per_backend(built):
+    assert sorted(p.name for p in built.iterdir()) == sorted(
+        f"torch-{b}" for b in GENERAL["backends"]
+    )
+
+
+@pytest.mark.parametrize("backend", GENERAL["backends"])
+def test_metadata_matches_build_toml(built, backend):
+    path = built / f"torch-{backend}" / "metadata.json"
+    assert json.loads(path.read_text())["python-depends"] == []
+    metadata = kernels.Metadata.read_from_file(path)
+    assert str(metadata.name) == GENERAL["name"]
+    assert metadata.version == GENERAL["version"]
+    assert metadata.license == GENERAL["license"]
+    assert metadata.backend.backend_type == Backend.from_str(backend)
+    assert metadata.python_depends == [] and metadata.kernel_depends == []
+    prefix = f"_{metadata.name.python_name}_{backend}_"
+    assert metadata.id.startswith(prefix), metadata.id
+    assert metadata.id.removeprefix(prefix).removesuffix("_dirty") == head_revision()
+
+
+def test_ids_unique_per_backend(built):
+    ids = {
+        kernels.Metadata.read_from_file(variant / "metadata.json").id
+        for variant in built.iterdir()
+    }
+    assert len(ids) == len(GENERAL["backends"])
+
+
+@pytest.mark.parametrize("backend", GENERAL["backends"])
+def test_variant_is_sources_plus_ops(built, backend):
+    variant = built / f"torch-{backend}"
+    sources = [s for s in SOURCES.glob("*.py") if s.name != "_ops.py"]
+    assert {p.name for p in variant.iterdir()} == {s.name for s in sources} | {
+        "_ops.py",
+        "metadata.json",
+    }
+    for source in sources:
+        assert (variant / source.name).read_bytes() == source.read_bytes()
+    # _ops.py's namespace is the build id, so two builds can be loaded side by side.
+    build_id = json.loads((variant / "metadata.json").read_text())["id"]
+    spec = importlib.util.spec_from_file_location(
+        f"{build_id}_ops_check", variant / "_ops.py"
+    )
+    ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ops)
+    assert ops.ops.name == build_id
+    assert ops.add_op_namespace_prefix("geglu") == f"{build_id}::geglu"
+
+
+# --- loading ----------------------------------------------------------------------------
+
+
+def test_get_local_kernel(fused_geglu, device):
+    backend = "cpu" if device == "cpu" else "rocm" if torch.version.hip else "cuda"
+    variant = Path(fused_geglu.__file__).parent
+    assert variant == ROOT / "build" / f"torch-{backend}"
+    assert (
+        fused_geglu.__name__
+        == json.loads((variant / "metadata.json").read_text())["id"]
+    )
+    check_geglu(fused_geglu, device)
+
+
+def test_all_is_a_literal_list_of_loaded_names(fused_geglu):
+    tree = ast.parse((SOURCES / "__init__.py").read_text())
+    (value,) = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+    ]
+    assert isinstance(value, ast.List), "__all__ must be a literal list"
+    names = ast.literal_eval(value)
+    assert names == fused_geglu.__all__
+    missing = [name for name in names if not hasattr(fused_geglu, name)]
+    assert not missing, f"__all__ names missing on the module: {missing}"
+
+
+def test_local_layer_repository(fused_geglu):
+    layer = kernels.LocalLayerRepository(ROOT, layer_name="GeGLUMLP").load()
+    assert layer is fused_geglu.layers.GeGLUMLP
+    # kernels' layer rules (kernels.layer.layer._validate_layer), spelled out.
+    assert issubclass(layer, nn.Module)
+    assert layer.__init__ is nn.Module.__init__, "a layer must not define __init__"
+    extra = {n for n, _ in inspect.getmembers(layer)} - {
+        n for n, _ in inspect.getmembers(nn.Module)
+    }
+    assert extra <= {"has_backward", "can_torch_compile"}, extra
+    assert layer.has_backward is True and layer.can_torch_compile is True
+
+
+@pytest.mark.parametrize("mlp_cls", [GemmaMLP, Gemma2MLP, Gemma3MLP])
+def test_layer_passes_kernelize_validation(fused_geglu, mlp_cls):
+    """The check kernelize runs before swapping a forward, against each MLP we replace."""
+    layer = fused_geglu.layers.GeGLUMLP
+    _validate_layer(check_cls=mlp_cls, cls=layer, repo="fused-geglu")
+
+
+@pytest.mark.parametrize(
+    "pin", [{"revision": "main"}, {"version": 1}], ids=["revision", "version"]
+)
+def test_get_kernel_with_local_override(fused_geglu, device, local_kernels, pin):
+    """get_kernel consults LOCAL_KERNELS before the Hub, so both pins load offline."""
+    module = kernels.get_kernel(REPO_ID, **pin)
+    assert module.__name__ == fused_geglu.__name__
+    check_geglu(module, device)
+
+
+def test_layer_repository_with_local_override(fused_geglu, local_kernels):
+    layer = kernels.LayerRepository(
+        REPO_ID, layer_name="GeGLUMLP", revision="main"
+    ).load()
+    assert layer.__qualname__ == "GeGLUMLP"
+    assert layer.__module__ == f"{fused_geglu.__name__}.layers"
+
+
+def test_layer_repository_version_needs_the_hub(local_kernels, monkeypatch, tmp_path):
+    """LayerRepository turns ``version=`` into a commit through the Hub's refs before it
+    consults LOCAL_KERNELS, so offline overrides need ``revision=`` (README says so)."""
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))  # an empty cache: no refs
+    repo = kernels.LayerRepository(REPO_ID, layer_name="GeGLUMLP", version=1)
+    with pytest.raises(ValueError, match="not available in the local cache"):
+        repo.load()
+
+
+def test_loading_makes_no_network_access(device):
+    """A fresh interpreter in which any connection raises loads the build and runs it."""
+    script = textwrap.dedent(
+        f"""
+        import socket
+
+        def refuse(*args, **kwargs):
+            raise OSError("network access attempted")
+
+        socket.socket.connect = socket.socket.connect_ex = refuse
+        socket.getaddrinfo = socket.create_connection = refuse
+
+        from pathlib import Path
+
+        import torch
+        from kernels import get_local_kernel
+
+        module = get_local_kernel(Path({str(ROOT)!r}))
+        x = torch.randn(4, 8, device={device!r})
+        assert torch.isfinite(module.geglu(x, x)).all()
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("LOCAL_KERNELS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr

@@ -21,10 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-GELU_TANH_K1 = 0.044715
+# Globals read inside @triton.jit must be constexpr.
+SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
+INV_SQRT_2 = tl.constexpr(1.0 / math.sqrt(2.0))
+INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
+GELU_TANH_K1 = tl.constexpr(0.044715)
 # triton.jit picks the interpreter when a kernel is defined; read the knob once, here.
 INTERPRETED = triton.knobs.runtime.interpret
 

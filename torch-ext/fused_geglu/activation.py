@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Globals read inside @triton.jit must be constexpr.
+# Globals read inside @triton.jit must be constexpr; kernels write them right of a tensor
+# (`x * C`): the interpreter's `C * x` wraps the tensor in a constexpr.
 SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
 INV_SQRT_2 = tl.constexpr(1.0 / math.sqrt(2.0))
 INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
@@ -40,7 +41,7 @@ def _tanh(z):
 def gelu(x, APPROX_TANH: tl.constexpr):
     """GeLU of an fp32 tensor."""
     if APPROX_TANH:
-        inner = SQRT_2_OVER_PI * (x + GELU_TANH_K1 * x * x * x)
+        inner = (x + x * x * x * GELU_TANH_K1) * SQRT_2_OVER_PI
         return 0.5 * x * (1.0 + _tanh(inner))
     else:
         return 0.5 * x * (1.0 + tl.erf(x * INV_SQRT_2))
@@ -51,9 +52,9 @@ def gelu_grad(x, APPROX_TANH: tl.constexpr):
     """d gelu(x) / dx of an fp32 tensor (see the module docstring)."""
     if APPROX_TANH:
         x_sq = x * x
-        t = _tanh(SQRT_2_OVER_PI * (x + GELU_TANH_K1 * x_sq * x))
+        t = _tanh((x + x_sq * x * GELU_TANH_K1) * SQRT_2_OVER_PI)
         right_derivative = 0.5 * x * (1.0 - t * t)
-        inner_derivative = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_K1 * x_sq)
+        inner_derivative = (x_sq * (3.0 * GELU_TANH_K1) + 1.0) * SQRT_2_OVER_PI
         return 0.5 * (1.0 + t) + right_derivative * inner_derivative
     else:
         cdf = 0.5 * (1.0 + tl.erf(x * INV_SQRT_2))

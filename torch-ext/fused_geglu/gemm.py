@@ -40,7 +40,10 @@ def _grouped_tile(
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["M"])
+# M is specialised like N and K (== 1, % 16 == 0, other): at most three compilations per
+# configuration across token counts, and the divisibility lets masked loads of transposed
+# operands vectorise.
+@triton.jit
 def _gemm_kernel(
     a_ptr,  # [M, K]
     b1_ptr,  # [N, K]
@@ -86,32 +89,30 @@ def _gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    # Clamp rows/cols past the edge onto valid memory: loads need no M/N mask.
-    safe_m = tl.where(mask_m, offs_m, 0)
-    safe_n = tl.where(mask_n, offs_n, 0)
-    a_ptrs = a_ptr + safe_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b1_ptrs = b1_ptr + safe_n[None, :] * stride_b1n + offs_k[:, None] * stride_b1k
+    # Masked loads, not clamped indices: clamping hides the contiguity of a transposed
+    # operand (dY^T, X^T in backward) from the compiler and kills vectorisation.
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b1_ptrs = b1_ptr + offs_n[None, :] * stride_b1n + offs_k[:, None] * stride_b1k
     if DUAL:
-        b2_ptrs = b2_ptr + safe_n[None, :] * stride_b2n + offs_k[:, None] * stride_b2k
+        b2_ptrs = b2_ptr + offs_n[None, :] * stride_b2n + offs_k[:, None] * stride_b2k
     if A_GRAD_ACT != 0:
-        z_ptrs = z_ptr + safe_m[:, None] * stride_zm + offs_k[None, :] * stride_zk
+        z_ptrs = z_ptr + offs_m[:, None] * stride_zm + offs_k[None, :] * stride_zk
 
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs)
-            b1 = tl.load(b1_ptrs)
+            a_mask = mask_m[:, None]
+            b_mask = mask_n[None, :]
         else:
             k_mask = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            b1 = tl.load(b1_ptrs, mask=k_mask[:, None], other=0.0)
+            a_mask = mask_m[:, None] & k_mask[None, :]
+            b_mask = mask_n[None, :] & k_mask[:, None]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b1 = tl.load(b1_ptrs, mask=b_mask, other=0.0)
         if A_GRAD_ACT != 0:
-            if EVEN_K:
-                z = tl.load(z_ptrs)
-            else:
-                z = tl.load(z_ptrs, mask=k_mask[None, :], other=0.0)
+            z = tl.load(z_ptrs, mask=a_mask, other=0.0)
             # round(dY * act'(Z)), as eager's gelu_backward output, before the product.
             a = (a.to(tl.float32) * gelu_grad(z.to(tl.float32), A_GRAD_ACT == 2)).to(
                 a.dtype
@@ -121,10 +122,7 @@ def _gemm_kernel(
             row_sum += tl.sum(a.to(tl.float32), axis=1)
         acc1 = tl.dot(a, b1, acc1, input_precision=INPUT_PRECISION)
         if DUAL:
-            if EVEN_K:
-                b2 = tl.load(b2_ptrs)
-            else:
-                b2 = tl.load(b2_ptrs, mask=k_mask[:, None], other=0.0)
+            b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
             acc2 = tl.dot(a, b2, acc2, input_precision=INPUT_PRECISION)
             b2_ptrs += BLOCK_K * stride_b2k
         a_ptrs += BLOCK_K * stride_ak
@@ -133,9 +131,9 @@ def _gemm_kernel(
     if SUM_A and pid_n == 0:
         tl.store(sum_a_ptr + offs_m, row_sum, mask=mask_m)
     if HAS_BIAS:
-        acc1 += tl.load(bias1_ptr + safe_n).to(tl.float32)[None, :]
+        acc1 += tl.load(bias1_ptr + offs_n, mask=mask_n).to(tl.float32)[None, :]
         if DUAL:
-            acc2 += tl.load(bias2_ptr + safe_n).to(tl.float32)[None, :]
+            acc2 += tl.load(bias2_ptr + offs_n, mask=mask_n).to(tl.float32)[None, :]
 
     mask = mask_m[:, None] & mask_n[None, :]
     c_offs = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn

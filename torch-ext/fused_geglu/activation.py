@@ -172,14 +172,15 @@ def _geglu_bwd_kernel(
 def _elementwise_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for an [M, N] elementwise pass.
 
-    A row tile spans up to 16 bytes x 32 lanes x 4 warps (1024 bf16 / 512 fp32 columns), so
-    every load is a 16-byte vector; rows are stacked until a program streams ~4096 elements
-    (16 KiB of each bf16 operand in flight), which keeps the H200's HBM queues full.
+    A row tile spans up to 16 bytes x 32 lanes x 8 warps (2048 bf16 / 1024 fp32 columns),
+    so every load is a 16-byte vector; rows are stacked until a program streams ~8192
+    elements. Chosen from benchmarks/results/*-tune.json (H200, 8192 x 16384 bf16): this
+    shape gave the lowest forward and backward times of the seven candidates swept.
     """
     vec = 16 // elem_bytes
-    block_n = min(triton.next_power_of_2(max(n_cols, 1)), vec * 32 * 4)
-    block_m = max(1, 4096 // block_n)
-    return block_m, block_n, 4
+    block_n = min(triton.next_power_of_2(max(n_cols, 1)), vec * 32 * 8)
+    block_m = max(1, 8192 // block_n)
+    return block_m, block_n, 8
 
 
 def _rows_view(t: torch.Tensor) -> torch.Tensor | None:

@@ -167,13 +167,14 @@ def _input_precision(dtype: torch.dtype) -> str:
 
 
 def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype, dual: bool) -> dict:
-    """Launch configuration by shape class (the one place it is chosen).
+    """Launch configuration by shape class (the one place it is chosen), from the H200 sweep
+    in benchmarks/results/*-tune.json (Gemma-2B shapes, bf16).
 
     Interpreter: moderate tiles (numpy does the work; fewer programs run faster).
-    M <= 64 (decode): weight-streaming; narrow N tiles give 2x-4x more programs than SMs,
-    BLOCK_K 128 keeps 16-byte loads of the weight rows in flight.
-    Otherwise 128-row tiles; a dual GEMM keeps two 128x128 fp32 accumulators (the register
-    budget of one 128x256 tile), fp32 operands halve BLOCK_K to fit shared memory.
+    M <= 64 (decode): weight streaming; 16-row tiles, narrow N tiles for narrow outputs so
+    that there are more programs than SMs, long K tiles to keep weight loads in flight.
+    Otherwise 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages
+    (dual); fp32 operands halve BLOCK_K to fit shared memory.
     """
     if INTERPRETED:
         return {
@@ -186,31 +187,27 @@ def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype, dual: bool) -> dict
         }
     wide = dtype != torch.float32
     if M <= 64:
-        block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+        if dual:
+            block_n, block_k, warps = 128, 128, 8
+        elif N <= 4096:
+            block_n, block_k, warps = 16, 256, 4
+        else:
+            block_n, block_k, warps = 64, 128, 4
         return {
-            "BLOCK_M": block_m,
-            "BLOCK_N": 32 if N <= 4096 else 64,
-            "BLOCK_K": 128 if wide else 64,
+            "BLOCK_M": 16,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k if wide else block_k // 2,
             "GROUP_M": 1,
-            "num_warps": 4,
-            "num_stages": 4 if wide else 3,
-        }
-    if dual:
-        return {
-            "BLOCK_M": 128,
-            "BLOCK_N": 128,
-            "BLOCK_K": 64 if wide else 32,
-            "GROUP_M": 8,
-            "num_warps": 8,
+            "num_warps": warps,
             "num_stages": 4 if wide else 3,
         }
     return {
         "BLOCK_M": 128,
-        "BLOCK_N": 256 if wide else 128,
+        "BLOCK_N": 128,
         "BLOCK_K": 64 if wide else 32,
         "GROUP_M": 8,
-        "num_warps": 8,
-        "num_stages": 3,
+        "num_warps": 8 if dual else 4,
+        "num_stages": 3 if dual else 4,
     }
 
 

@@ -255,8 +255,9 @@ def main():
         "python": platform.python_version(),
     }
     try:
-        import liger_kernel  # noqa: F401
         from importlib.metadata import version
+
+        import liger_kernel  # noqa: F401
 
         env["liger_kernel"] = version("liger-kernel")
     except ImportError:

@@ -2,10 +2,11 @@
 
 GeLU variants (``APPROX_TANH`` picks one at compile time):
   exact: gelu(x) = 0.5 * x * (1 + erf(x / sqrt(2)))
-  tanh:  gelu(x) = 0.5 * x * (1 + tanh(k0 * (x + k1 * x^3))),  k0 = sqrt(2/pi), k1 = 0.044715
+  tanh:  gelu(x) = 0.5 * x * (1 + tanh(u)) = x * sigmoid(2u),  u = k0 * (x + k1 * x^3),
+         k0 = sqrt(2/pi), k1 = 0.044715 (the sigmoid form avoids 1 + tanh(u) cancelling)
 
-Derivatives, written in the order PyTorch's ``gelu_backward`` evaluates them so that
-NaN/Inf propagate exactly as in eager (e.g. ``0 * inf`` gives NaN there too):
+Derivatives, with the product structure of PyTorch's ``gelu_backward`` so that NaN/Inf
+propagate as in eager (e.g. ``0 * inf`` gives NaN there too):
   exact: gelu'(x) = 0.5 * (1 + erf(x / sqrt(2))) + x * exp(-x^2 / 2) / sqrt(2 pi)
   tanh:  t = tanh(k0 * (x + k1 x^3));
          gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) * k0 (1 + 3 k1 x^2)
@@ -32,17 +33,18 @@ INTERPRETED = triton.knobs.runtime.interpret
 
 
 @triton.jit
-def _tanh(z):
-    # 1 - 2 / (exp(2z) + 1): exp overflow gives exactly +-1, never inf/inf = NaN.
-    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+def _sigmoid_2x(u):
+    # sigmoid(2u) = (1 + tanh(u)) / 2, without the cancellation of 1 + tanh(u) for u << 0;
+    # exp overflowing to inf gives exactly 0, never inf/inf = NaN.
+    return 1.0 / (1.0 + tl.exp(-2.0 * u))
 
 
 @triton.jit
 def gelu(x, APPROX_TANH: tl.constexpr):
     """GeLU of an fp32 tensor."""
     if APPROX_TANH:
-        inner = (x + x * x * x * GELU_TANH_K1) * SQRT_2_OVER_PI
-        return 0.5 * x * (1.0 + _tanh(inner))
+        # 0.5 x (1 + tanh(u)) = x * sigmoid(2u)
+        return x * _sigmoid_2x((x + x * x * x * GELU_TANH_K1) * SQRT_2_OVER_PI)
     else:
         return 0.5 * x * (1.0 + tl.erf(x * INV_SQRT_2))
 
@@ -52,10 +54,12 @@ def gelu_grad(x, APPROX_TANH: tl.constexpr):
     """d gelu(x) / dx of an fp32 tensor (see the module docstring)."""
     if APPROX_TANH:
         x_sq = x * x
-        t = _tanh((x + x_sq * x * GELU_TANH_K1) * SQRT_2_OVER_PI)
-        right_derivative = 0.5 * x * (1.0 - t * t)
+        u = (x + x_sq * x * GELU_TANH_K1) * SQRT_2_OVER_PI
+        # 0.5 (1 + t) = s and 0.5 x (1 - t^2) = 2 x s (1 - s), with 1 - s = sigmoid(-2u).
+        s = _sigmoid_2x(u)
+        right_derivative = 2.0 * x * s * _sigmoid_2x(-u)
         inner_derivative = (x_sq * (3.0 * GELU_TANH_K1) + 1.0) * SQRT_2_OVER_PI
-        return 0.5 * (1.0 + t) + right_derivative * inner_derivative
+        return s + right_derivative * inner_derivative
     else:
         cdf = 0.5 * (1.0 + tl.erf(x * INV_SQRT_2))
         pdf = tl.exp(-0.5 * x * x) * INV_SQRT_2PI

@@ -75,11 +75,23 @@ def geglu_tile(gate, up, OUT_DTYPE: tl.constexpr, APPROX_TANH: tl.constexpr):
 
 @triton.jit
 def _tile_offsets(
-    pid_m, pid_n, M, N, stride_m, stride_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    pid_m,
+    pid_n,
+    M,
+    N,
+    stride_m,
+    stride_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INT64: tl.constexpr,
 ):
-    # int64 so that rows * stride never wraps past 2^31 elements.
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64 only when an offset can pass 2^31 (the launcher decides): int32 index math is
+    # cheaper, int64 keeps rows * stride from wrapping on huge tensors.
+    if INT64:
+        pid_m = pid_m.to(tl.int64)
+        pid_n = pid_n.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     return offs_m[:, None] * stride_m + offs_n[None, :] * stride_n, mask
 
@@ -100,17 +112,18 @@ def _geglu_fwd_kernel(
     APPROX_TANH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_g, mask = _tile_offsets(
-        pid_m, pid_n, M, N, stride_gm, stride_gn, BLOCK_M, BLOCK_N
+        pid_m, pid_n, M, N, stride_gm, stride_gn, BLOCK_M, BLOCK_N, INT64
     )
     offs_u, _ = _tile_offsets(
-        pid_m, pid_n, M, N, stride_um, stride_un, BLOCK_M, BLOCK_N
+        pid_m, pid_n, M, N, stride_um, stride_un, BLOCK_M, BLOCK_N, INT64
     )
     offs_o, _ = _tile_offsets(
-        pid_m, pid_n, M, N, stride_om, stride_on, BLOCK_M, BLOCK_N
+        pid_m, pid_n, M, N, stride_om, stride_on, BLOCK_M, BLOCK_N, INT64
     )
     # Streamed once: keep them out of L2's way.
     gate = tl.load(gate_ptr + offs_g, mask=mask, eviction_policy="evict_first").to(
@@ -141,19 +154,20 @@ def _geglu_bwd_kernel(
     APPROX_TANH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    INT64: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_d, mask = _tile_offsets(
-        pid_m, pid_n, M, N, stride_dm, stride_dn, BLOCK_M, BLOCK_N
+        pid_m, pid_n, M, N, stride_dm, stride_dn, BLOCK_M, BLOCK_N, INT64
     )
     offs_g, _ = _tile_offsets(
-        pid_m, pid_n, M, N, stride_gm, stride_gn, BLOCK_M, BLOCK_N
+        pid_m, pid_n, M, N, stride_gm, stride_gn, BLOCK_M, BLOCK_N, INT64
     )
     offs_u, _ = _tile_offsets(
-        pid_m, pid_n, M, N, stride_um, stride_un, BLOCK_M, BLOCK_N
+        pid_m, pid_n, M, N, stride_um, stride_un, BLOCK_M, BLOCK_N, INT64
     )
-    offs_o, _ = _tile_offsets(pid_m, pid_n, M, N, N, 1, BLOCK_M, BLOCK_N)
+    offs_o, _ = _tile_offsets(pid_m, pid_n, M, N, N, 1, BLOCK_M, BLOCK_N, INT64)
     dtype = dgate_ptr.dtype.element_ty
     dout = tl.load(dout_ptr + offs_d, mask=mask, eviction_policy="evict_first").to(
         tl.float32
@@ -187,6 +201,25 @@ def _elementwise_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
     return block_m, block_n, 8
 
 
+def _elementwise_launch(*rows: torch.Tensor) -> tuple[tuple[int, int], dict]:
+    """Grid and launch arguments for [M, N] views ``rows`` (any strides)."""
+    M, N = rows[0].shape
+    block_m, block_n, num_warps = _elementwise_config(N, rows[0].element_size())
+    grid_m, grid_n = triton.cdiv(M, block_m), triton.cdiv(N, block_n)
+    # Largest offset a program can form (masked lanes included) against int32's range.
+    reach = max(
+        grid_m * block_m * abs(t.stride(0)) + grid_n * block_n * abs(t.stride(1))
+        for t in rows
+    )
+    meta = {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "INT64": reach >= 2**31,
+        "num_warps": num_warps,
+    }
+    return (grid_m, grid_n), meta
+
+
 def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
     """A 2-D [rows, cols] view of ``t`` over its leading dims, or None when their strides
     cannot be expressed as one row stride (e.g. a permuted batch)."""
@@ -217,11 +250,9 @@ def geglu_fwd(
         geglu_fwd(gate, up, tmp, approximate)
         out.copy_(tmp)
         return
-    block_m, block_n, num_warps = _elementwise_config(N, gate.element_size())
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    grid, meta = _elementwise_launch(g, u, o)
     _geglu_fwd_kernel[grid](
-        g, u, o, M, N, *g.stride(), *u.stride(), *o.stride(),
-        APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        g, u, o, M, N, *g.stride(), *u.stride(), *o.stride(), APPROX_TANH=approximate == "tanh", **meta
     )  # fmt: skip
 
 
@@ -235,10 +266,9 @@ def geglu_bwd(
         return dgate, dup
     d, g, u = as_rows(dout), as_rows(gate), as_rows(up)
     M, N = g.shape
-    block_m, block_n, num_warps = _elementwise_config(N, gate.element_size())
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    grid, meta = _elementwise_launch(d, g, u, dgate.view(M, N))
     _geglu_bwd_kernel[grid](
         d, g, u, dgate, dup, M, N, *d.stride(), *g.stride(), *u.stride(),
-        APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        APPROX_TANH=approximate == "tanh", **meta,
     )  # fmt: skip
     return dgate, dup

@@ -171,8 +171,9 @@ def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype, dual: bool) -> dict
     in benchmarks/results/*-tune.json (Gemma-2B shapes, bf16).
 
     Interpreter: moderate tiles (numpy does the work; fewer programs run faster).
-    M <= 64 (decode): weight streaming; 16-row tiles, narrow N tiles for narrow outputs so
-    that there are more programs than SMs, long K tiles to keep weight loads in flight.
+    M <= 64 (decode): weight streaming; one row tile holds every token so each weight
+    tile is read once; narrow N tiles for narrow outputs so that there are more programs
+    than SMs, long K tiles to keep weight loads in flight.
     Otherwise 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages
     (dual); fp32 operands halve BLOCK_K to fit shared memory.
     """
@@ -186,7 +187,7 @@ def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype, dual: bool) -> dict
             "num_stages": 1,
         }
     wide = dtype != torch.float32
-    if M <= 64:
+    if M <= 16:
         if dual:
             block_n, block_k, warps = 128, 128, 8
         elif N <= 4096:
@@ -199,6 +200,15 @@ def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype, dual: bool) -> dict
             "BLOCK_K": block_k if wide else block_k // 2,
             "GROUP_M": 1,
             "num_warps": warps,
+            "num_stages": 4 if wide else 3,
+        }
+    if M <= 64:  # one row tile covers all tokens: each weight tile is read once
+        return {
+            "BLOCK_M": 32 if M <= 32 else 64,
+            "BLOCK_N": 32 if N <= 4096 else 64,
+            "BLOCK_K": 128 if wide else 64,
+            "GROUP_M": 1,
+            "num_warps": 4,
             "num_stages": 4 if wide else 3,
         }
     return {

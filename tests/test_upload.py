@@ -1,0 +1,344 @@
+"""scripts/upload.py without the network: the planned operations against fabricated remote
+states, the calls made to a recording stand-in for HfApi, and ``--dry-run`` end to end."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import httpx2
+import pytest
+from conftest import ROOT
+from huggingface_hub.errors import RepositoryNotFoundError
+from huggingface_hub.hf_api import GitRefInfo, GitRefs, RepoFile, RepoFolder
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import upload
+
+# upload.py lists benchmarks/ and names the build's commit through git.
+pytestmark = pytest.mark.skipif(
+    upload.git_revision() == "nogit", reason="releases are made from a git checkout"
+)
+REPO_ID = upload.GENERAL["hub"]["repo-id"]
+BRANCH = f"v{upload.GENERAL['version']}"
+MESSAGE = "fused-geglu v1, build abc1234"
+
+
+def _refuse(*args, **kwargs):
+    raise OSError(f"network access attempted: {args!r}")
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    monkeypatch.setattr(socket.socket, "connect", _refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", _refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", _refuse)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("build")
+    return out, upload.build(out)
+
+
+@pytest.fixture(scope="module")
+def targets(built):
+    return upload.local_files(*built, BRANCH)
+
+
+def remote_holding(targets) -> upload.RemoteState:
+    """A repository whose branches hold exactly the local files."""
+    return upload.RemoteState(
+        exists=True,
+        branches={t.branch: {f.path: f.git_sha1 for f in t.files} for t in targets},
+    )
+
+
+def plan(targets, remote, dirty=False):
+    return upload.plan(targets, remote, repo_id=REPO_ID, message=MESSAGE, dirty=dirty)
+
+
+def test_local_files(targets):
+    files, card = targets
+    assert files.branch == BRANCH and card.branch == "main"
+    paths = {f.path for f in files.files}
+    for backend in upload.GENERAL["backends"]:
+        assert f"build/torch-{backend}/metadata.json" in paths
+        assert f"build/torch-{backend}/__init__.py" in paths
+    assert "benchmarks/compare.py" in paths
+    assert not [
+        p for p in paths if "__pycache__" in p or p.startswith("benchmarks/out/")
+    ]
+    assert [f.path for f in card.files] == ["README.md"]
+
+
+def test_fresh_repository(targets):
+    files, card = targets
+    assert plan(targets, upload.RemoteState(exists=False)) == [
+        upload.CreateRepo(REPO_ID),
+        upload.CreateBranch(BRANCH),
+        upload.Upload(BRANCH, files.files, (), MESSAGE),
+        upload.Upload("main", card.files, (), MESSAGE),
+    ]
+
+
+def test_existing_repository_and_branch(targets):
+    files, card = targets
+    remote = upload.RemoteState(
+        exists=True, branches={"main": {".gitattributes": "0" * 40}, BRANCH: {}}
+    )
+    assert plan(targets, remote) == [
+        upload.Upload(BRANCH, files.files, (), MESSAGE),
+        upload.Upload("main", card.files, (), MESSAGE),
+    ]
+
+
+def test_existing_repository_without_the_branch(targets):
+    remote = upload.RemoteState(exists=True, branches={"main": {}})
+    assert [type(op) for op in plan(targets, remote)] == [
+        upload.CreateBranch,
+        upload.Upload,
+        upload.Upload,
+    ]
+
+
+def test_unchanged_tree_uploads_nothing(targets):
+    files, _ = targets
+    remote = remote_holding(targets)
+    # An LFS file is known by its sha256, not its blob id.
+    lfs = files.files[-1]
+    remote.branches[BRANCH][lfs.path] = lfs.sha256
+    assert plan(targets, remote) == [
+        upload.SkipUnchanged(BRANCH, tuple(f.path for f in files.files)),
+        upload.SkipUnchanged("main", ("README.md",)),
+    ]
+
+
+def test_changed_and_stale_files(targets):
+    files, _ = targets
+    remote = remote_holding(targets)
+    changed = files.files[0]
+    remote.branches[BRANCH][changed.path] = "f" * 40
+    remote.branches[BRANCH]["build/torch-cpu/removed.py"] = "e" * 40
+    remote.branches[BRANCH]["benchmarks/old.py"] = "e" * 40
+    # Outside the mirrored directories: kept (another tool's variant, the branch's card).
+    remote.branches[BRANCH]["build/torch210-cxx11-cu128-x86_64-linux/x.py"] = "e" * 40
+    remote.branches[BRANCH]["README.md"] = "e" * 40
+    upload_op, skip, skip_card = plan(targets, remote)
+    assert upload_op == upload.Upload(
+        BRANCH,
+        (changed,),
+        ("benchmarks/old.py", "build/torch-cpu/removed.py"),
+        MESSAGE,
+    )
+    assert skip.paths == tuple(f.path for f in files.files[1:])
+    assert skip_card == upload.SkipUnchanged("main", ("README.md",))
+
+
+@pytest.mark.parametrize("dirty", [False, True])
+def test_dirty_tree_is_said(targets, dirty):
+    operations = plan(targets, upload.RemoteState(exists=False), dirty=dirty)
+    uploads = [op for op in operations if isinstance(op, upload.Upload)]
+    assert len(uploads) == 2
+    for op in uploads:
+        assert ("dirty" in op.message) == dirty
+        assert ("dirty working tree" in op.describe()) == dirty
+
+
+def test_describe(targets):
+    files, _ = targets
+    lines = [op.describe() for op in plan(targets, upload.RemoteState(exists=False))]
+    assert lines[0] == f"create repo {REPO_ID} (type kernel)"
+    assert lines[1] == f"create branch {BRANCH} (from main)"
+    assert lines[2].startswith(f'upload {len(files.files)} file(s) to {BRANCH}: "')
+    assert f"    + {files.files[0].path}" in lines[2].splitlines()
+    assert lines[3].splitlines() == [
+        f'upload 1 file(s) to main: "{MESSAGE}"',
+        "    + README.md",
+    ]
+
+
+# --- the Hub calls, against a recording stand-in for HfApi -----------------------------
+
+
+class FakeApi:
+    """Records every call; answers the listings from ``branches`` (None: no repository)."""
+
+    def __init__(self, branches):
+        self.branches = branches
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            if name == "list_repo_refs":
+                if self.branches is None:
+                    request = httpx2.Request("GET", "https://hub.invalid/api/kernels")
+                    raise RepositoryNotFoundError(
+                        "404", response=httpx2.Response(404, request=request)
+                    )
+                return GitRefs(
+                    branches=[
+                        GitRefInfo(
+                            name=b, ref=f"refs/heads/{b}", target_commit="0" * 40
+                        )
+                        for b in self.branches
+                    ],
+                    converts=[],
+                    tags=[],
+                )
+            if name == "list_repo_tree":
+                return self.branches[kwargs["revision"]]
+
+        return call
+
+
+def test_every_call_uses_the_kernel_repo_type(targets):
+    api = FakeApi(None)
+    remote = upload.fetch_remote_state(api, REPO_ID, [t.branch for t in targets])
+    assert remote == upload.RemoteState(exists=False)
+    operations = plan(targets, remote)
+    upload.execute(api, REPO_ID, operations)
+    assert [name for name, _, _ in api.calls] == [
+        "list_repo_refs",
+        "create_repo",
+        "create_branch",
+        "create_commit",
+        "create_commit",
+    ]
+    for _, args, kwargs in api.calls:
+        assert args == (REPO_ID,) and kwargs["repo_type"] == "kernel"
+    _, _, branch_call = api.calls[2]
+    assert branch_call["branch"] == BRANCH and branch_call["exist_ok"]
+    _, _, commit = api.calls[3]
+    assert commit["revision"] == BRANCH and commit["commit_message"] == MESSAGE
+    assert [op.path_in_repo for op in commit["operations"]] == [
+        f.path for f in operations[2].files
+    ]
+
+
+def test_fetch_remote_state_reads_blob_and_lfs_ids():
+    tree = [
+        RepoFolder(path="build", oid="1" * 40),
+        RepoFile(path="build/torch-cpu/ops.py", size=3, oid="2" * 40),
+        RepoFile(
+            path="benchmarks/big.json",
+            size=9,
+            oid="3" * 40,
+            lfs={"size": 9, "oid": "4" * 64, "pointerSize": 130},
+        ),
+    ]
+    api = FakeApi({"main": [], BRANCH: tree, "v0": []})
+    remote = upload.fetch_remote_state(api, REPO_ID, [BRANCH, "main", "v2"])
+    assert remote == upload.RemoteState(
+        exists=True,
+        branches={
+            BRANCH: {
+                "build/torch-cpu/ops.py": "2" * 40,
+                "benchmarks/big.json": "4" * 64,
+            },
+            "main": {},
+        },
+    )
+    for name, _, kwargs in api.calls:
+        assert kwargs["repo_type"] == "kernel", name
+
+
+# --- the checks ------------------------------------------------------------------------
+
+
+def test_checks_catch_a_broken_build(built, tmp_path):
+    out, variants = built
+    bad = tmp_path / "build"
+    shutil.copytree(out, bad)
+    cpu, xpu = bad / "torch-cpu", bad / "torch-xpu"
+    metadata = json.loads((cpu / "metadata.json").read_text())
+    metadata["id"] = "_fused_geglu_cpu_0000000"
+    metadata["version"] = 2
+    (cpu / "metadata.json").write_text(json.dumps(metadata))
+    metadata = json.loads((xpu / "metadata.json").read_text())
+    del metadata["license"]
+    (xpu / "metadata.json").write_text(json.dumps(metadata))
+    (cpu / "extra.py").write_text("from fused_geglu.ops import geglu\nimport ops\n")
+    rev = json.loads((out / "torch-cpu" / "metadata.json").read_text())["id"]
+    rev = rev.removeprefix("_fused_geglu_cpu_")
+    with pytest.raises(upload.CheckError) as error:
+        upload.check(bad, [bad / v.name for v in variants], rev)
+    message = str(error.value)
+    assert "torch-xpu: kernels cannot read metadata.json" in message
+    assert "missing field `license`" in message
+    assert "torch-cpu: metadata version 2" in message
+    assert f"torch-cpu: id '_fused_geglu_cpu_0000000' does not name {rev}" in message
+    assert "torch-cpu/extra.py: absolute import ['fused_geglu.ops', 'ops']" in message
+    assert "torch-cuda" not in message
+
+
+# --- the command line ------------------------------------------------------------------
+
+
+def run_upload(*args):
+    """scripts/upload.py in a fresh interpreter in which every connection raises."""
+    script = textwrap.dedent(
+        f"""
+        import runpy, socket, sys
+
+        def refuse(*args, **kwargs):
+            raise OSError("network access attempted")
+
+        socket.socket.connect = socket.socket.connect_ex = refuse
+        socket.getaddrinfo = socket.create_connection = refuse
+        sys.path.insert(0, {str(ROOT / "scripts")!r})
+        sys.argv = ["upload.py", *{list(args)!r}]
+        runpy.run_path({str(ROOT / "scripts" / "upload.py")!r}, run_name="__main__")
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr + result.stdout
+    return result.stdout
+
+
+def test_dry_run(tmp_path):
+    out = tmp_path / "build"
+    stdout = run_upload("--dry-run", "--out", str(out))
+    dirty = bool(upload.git_status())
+    variants = [out / f"torch-{b}" for b in upload.GENERAL["backends"]]
+    files, _ = upload.local_files(out, variants, BRANCH)
+    lines = stdout.splitlines()
+    assert "dry run, nothing sent; remote assumed: no repository yet" in lines
+    assert f"  create repo {REPO_ID} (type kernel)" in lines
+    assert f"  create branch {BRANCH} (from main)" in lines
+    (v_line,) = [
+        line for line in lines if line.startswith(f"  upload {len(files.files)}")
+    ]
+    assert v_line.startswith(f"  upload {len(files.files)} file(s) to {BRANCH}: ")
+    assert "      + build/torch-cpu/metadata.json" in lines
+    assert "      + README.md" in lines
+    assert (
+        "DIRTY working tree: this upload is not a committed state:" in lines
+    ) == dirty
+    assert ("(dirty working tree)" in v_line) == dirty
+    assert f'  fused_geglu = get_kernel("{REPO_ID}", version=1)' in lines
+
+
+def test_dry_run_against_an_unchanged_remote(tmp_path, targets):
+    # The remote holds this tree's files; the build ids name the same commit.
+    state = tmp_path / "remote.json"
+    state.write_text(
+        json.dumps({"exists": True, "branches": remote_holding(targets).branches})
+    )
+    stdout = run_upload(
+        "--dry-run", "--out", str(tmp_path / "build"), "--remote-state", str(state)
+    )
+    assert "create" not in stdout and "+ " not in stdout
+    assert f"  skip {len(targets[0].files)} unchanged file(s) on {BRANCH}" in stdout
+    assert "nothing to upload: the Hub holds every file" in stdout

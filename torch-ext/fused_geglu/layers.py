@@ -2,8 +2,11 @@
 
 kernels' layer rules: no ``__init__``, no members but ``has_backward`` and
 ``can_torch_compile``; ``self`` is the original module, whose submodules are declared
-here as annotations. Each forward has the signature of the forward it replaces.
+here as annotations. Each forward has the signature of the forward it replaces and
+calls no other method of its class (module-level helpers only).
 """
+
+import warnings
 
 import torch
 from torch import nn
@@ -22,8 +25,11 @@ _TANH_GELU_CLASSES = (
 _EXACT_GELU_CLASSES = ("GELUActivation",)
 
 
-def gelu_approximation(act_fn: nn.Module) -> str:
-    """The ``approximate`` argument that reproduces ``act_fn`` exactly, or a ValueError."""
+def gelu_approximation(
+    act_fn: nn.Module, flag: str = "config.hidden_activation / hidden_act"
+) -> str:
+    """The ``approximate`` argument that reproduces ``act_fn`` exactly, or a ValueError
+    that names the activation and ``flag``, the config field that chose it."""
     name = type(act_fn).__name__
     if name in _TANH_GELU_CLASSES:
         return "tanh"
@@ -34,7 +40,7 @@ def gelu_approximation(act_fn: nn.Module) -> str:
     raise ValueError(
         f"fused-geglu computes GeLU (exact or tanh) only; the module's activation "
         f"{name} ({act_fn!r}) is not one, so this layer must not replace it "
-        f"(check config.hidden_activation / hidden_act)"
+        f"(check {flag})"
     )
 
 
@@ -52,10 +58,9 @@ class GeGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         approximate = gelu_approximation(self.act_fn)
-        # The projections' own forwards (cuBLAS, or whatever wraps them: LoRA, quantised
-        # linears) and our fused activation: on the H200 this beats geglu_mlp's dual GEMM
-        # today (benchmarks/results/*-compare.json), so the layer takes it.
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x), approximate))
+        return self.down_proj(
+            _geglu_two_projections(x, self.gate_proj, self.up_proj, approximate)
+        )
 
 
 class Linear(nn.Module):
@@ -69,3 +74,118 @@ class Linear(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return linear(input, self.weight, self.bias)
+
+
+def _geglu_two_projections(
+    x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, approximate: str
+) -> torch.Tensor:
+    """``gelu(gate_proj(x)) * up_proj(x)``: the projections' own forwards (cuBLAS with the
+    bias in its epilogue, or whatever wraps them: LoRA, quantised, hooked, autocast) and our
+    fused activation. On the H200 this beats the ``geglu_linear`` dual GEMM today
+    (benchmarks/results/*-compare.json), so every layer takes it."""
+    return geglu(gate_proj(x), up_proj(x), approximate)
+
+
+def _geglu_fused_projection(
+    x: torch.Tensor, proj: nn.Module, gate_half: int, approximate: str
+) -> torch.Tensor:
+    """``gelu(halves[gate_half]) * halves[1 - gate_half]`` for
+    ``halves = proj(x).chunk(2, dim=-1)``: the halves are views that the activation
+    kernel reads through their row stride, no copy."""
+    halves = proj(x).chunk(2, dim=-1)
+    return geglu(halves[gate_half], halves[1 - gate_half], approximate)
+
+
+class T5GeGLUDense(nn.Module):
+    """transformers' ``T5DenseGatedActDense`` (T5 v1.1, Flan-T5) and its copies with the
+    same forward: ``MT5DenseGatedActDense``, ``UMT5DenseGatedActDense`` (and Udop,
+    Pix2Struct, Pop2Piano). ``wo(dropout(act(wi_0(x)) * wi_1(x)))``.
+
+    ``act`` must be a GeLU (``feed_forward_proj="gated-gelu"`` gives ``gelu_new``, tanh);
+    any other activation raises a ValueError. ``self.dropout`` is applied to the GeGLU
+    output exactly where the original applies it, so in training it draws the same random
+    numbers from the same generator: same seed, same mask. As the original, the GeGLU
+    output is cast to ``wo.weight``'s dtype when they differ (``wo`` is kept in float32 by
+    ``_keep_in_fp32_modules``) unless that weight is int8 (quantised).
+    """
+
+    wi_0: nn.Linear
+    wi_1: nn.Linear
+    wo: nn.Linear
+    dropout: nn.Dropout
+    act: nn.Module
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states):
+        approximate = gelu_approximation(
+            self.act, "config.feed_forward_proj / config.dense_act_fn"
+        )
+        hidden_states = _geglu_two_projections(
+            hidden_states, self.wi_0, self.wi_1, approximate
+        )
+        hidden_states = self.dropout(hidden_states)
+        # The original's condition, verbatim (transformers issue 20287).
+        if (
+            isinstance(self.wo.weight, torch.Tensor)
+            and hidden_states.dtype != self.wo.weight.dtype
+            and self.wo.weight.dtype != torch.int8
+        ):
+            hidden_states = hidden_states.to(self.wo.weight.dtype)
+        return self.wo(hidden_states)
+
+
+class ModernBertGeGLUMLP(nn.Module):
+    """transformers' ``ModernBertMLP``: ``input, gate = Wi(x).chunk(2, dim=-1)``, then
+    ``Wo(drop(act(input) * gate))``. The FIRST half of ``Wi`` is activated.
+
+    ``act`` is ``ACT2FN[config.hidden_activation]`` (default ``"gelu"``, exact); a non-GeLU
+    activation raises a ValueError. ``self.drop`` is applied where the original applies
+    it (same random numbers in training).
+    """
+
+    Wi: nn.Linear
+    act: nn.Module
+    drop: nn.Dropout
+    Wo: nn.Linear
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        approximate = gelu_approximation(self.act, "config.hidden_activation")
+        h = _geglu_fused_projection(hidden_states, self.Wi, 0, approximate)
+        # self.Wo, not linear(Wo.weight): a wrapped Wo (LoRA, quantised, hooked,
+        # kernelized) keeps its own forward, and cuBLAS is at least as fast as our GEMM
+        # alone (README, Results).
+        return self.Wo(self.drop(h))
+
+
+# diffusers' message, which its GEGLU passes to diffusers.utils.deprecate.
+_SCALE_DEPRECATION = (
+    "`scale` is deprecated and will be removed in version 1.0.0. The `scale` argument "
+    "is deprecated and will be ignored. Please remove it, as passing it will raise an "
+    "error in the future. `scale` should directly be passed while calling the underlying "
+    "pipeline component i.e., via `cross_attention_kwargs`."
+)
+
+
+class GEGLU(nn.Module):
+    """diffusers' ``diffusers.models.activations.GEGLU`` (``FeedForward(...,
+    activation_fn="geglu")``): ``hidden_states, gate = proj(x).chunk(2, dim=-1)``, then
+    ``hidden_states * gelu(gate)`` with exact GeLU. The SECOND half of ``proj`` is
+    activated. Extra positional arguments or ``scale=`` are ignored with diffusers'
+    FutureWarning, as the original does. (The original's NPU branch, ``npu_geglu`` with
+    tanh GeLU, is not reproduced: this package has no NPU build.)
+    """
+
+    proj: nn.Linear
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states, *args, **kwargs) -> torch.Tensor:
+        if len(args) > 0 or kwargs.get("scale", None) is not None:
+            warnings.warn(_SCALE_DEPRECATION, FutureWarning)
+        return _geglu_fused_projection(hidden_states, self.proj, 1, "none")

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum requirements-test.txt | cut -d' ' -f1)
 
-.PHONY: setup build test demo lint bench report clean
+.PHONY: setup build test demo lint bench report results upload clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,18 @@ test: build
 
 demo: build
 	$(PY) scripts/demo.py
+
+# Profiling report into benchmarks/out/; e.g. `make report ARGS="--tokens 1 64"`.
+report: build
+	$(PY) scripts/report.py $(ARGS)
+
+# README.md's results section, regenerated from benchmarks/results/*.json.
+results: $(STAMP)
+	$(PY) scripts/render_results.py
+
+# Builds, checks and uploads to the Hub; `make upload ARGS=--dry-run` sends nothing.
+upload: $(STAMP)
+	$(PY) scripts/upload.py $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

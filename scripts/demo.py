@@ -1,6 +1,7 @@
 """`make demo`: load the built kernel through kernels as a user would, swap its GeGLUMLP
 layer into a small Gemma model with kernelize, check the logits against the eager model,
-and show which kernels ran. Exits non-zero when the check fails.
+and show which kernels ran; then run the profiling report (scripts/report.py, its default
+shapes) into benchmarks/out/. Exits non-zero when a check or the report fails.
 
 Without a GPU the Triton kernels run in the Triton interpreter on the CPU: that checks the
 numerics, but its timings say nothing about GPU speed."""
@@ -8,6 +9,7 @@ numerics, but its timings say nothing about GPU speed."""
 import copy
 import logging
 import os
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -170,7 +172,15 @@ def main() -> int:
     print()
     for text, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {text}")
-    return 0 if all(ok for _, ok in checks) else 1
+
+    # In its own process, so that the first calls it times are cold.
+    print("\nProfiling report (scripts/report.py)", flush=True)
+    report = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "report.py")], check=False
+    )
+    report_ok = report.returncode == 0
+    print(f"{'PASS' if report_ok else 'FAIL'}  profiling report in benchmarks/out/")
+    return 0 if report_ok and all(ok for _, ok in checks) else 1
 
 
 if __name__ == "__main__":

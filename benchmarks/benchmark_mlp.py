@@ -1,0 +1,102 @@
+"""`kernels benchmark .` workloads for the GeGLU MLP `down(gelu(gate(x)) * up(x))`: the
+layer path (`layers.GeGLUMLP.forward`: the model's projections plus our fused `geglu`, what
+kernelize swaps in) and the dual GEMM (`geglu_mlp`, two kernels).
+
+Each verify_ returns the eager MLP's result (transformers' GemmaMLP computation), which the
+runner compares with self.out and times as the reference. On a GPU: Gemma-2B (hidden 2048,
+intermediate 16384) in bfloat16. Without one: tiny float32 shapes in the Triton interpreter
+(bf16 `tl.dot` is not supported there), chosen here before triton is imported.
+"""
+
+import os
+
+import torch
+from torch import nn
+
+if not torch.accelerator.is_available():  # no accelerator: Triton only interprets
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.benchmark import Benchmark
+
+# (tokens, hidden, intermediate)
+SHAPES = {
+    "gpu": {
+        "small": (16, 2048, 16384),
+        "medium": (512, 2048, 16384),
+        "large": (8192, 2048, 16384),
+    },
+    "cpu": {"small": (4, 32, 64), "medium": (16, 64, 160), "large": (64, 64, 160)},
+}
+
+
+class Workloads:
+    """setup_/benchmark_/verify_ of the small, medium and large workloads, from the
+    subclass's run() (sets self.out); verify_ is the eager MLP."""
+
+    seed = 0
+
+    def make(self, workload: str) -> None:
+        gpu = self.device != "cpu"
+        tokens, hidden, inter = SHAPES["gpu" if gpu else "cpu"][workload]
+        dtype = torch.bfloat16 if gpu else torch.float32
+        self.x = torch.randn(tokens, hidden, device=self.device, dtype=dtype)
+        # gate and up of std ~1; down scaled so outputs stay well under 1 (runner atol 1e-2).
+        self.mlp = nn.Module()
+        for name, n_in, n_out, scale in (
+            ("gate_proj", hidden, inter, 1.0),
+            ("up_proj", hidden, inter, 1.0),
+            ("down_proj", inter, hidden, 0.125),
+        ):
+            proj = nn.Linear(n_in, n_out, bias=False, device=self.device, dtype=dtype)
+            proj.requires_grad_(False).weight.normal_(0, scale / n_in**0.5)
+            setattr(self.mlp, name, proj)
+        self.mlp.act_fn = nn.GELU(approximate="tanh")
+
+    def reference(self):
+        m = self.mlp
+        return m.down_proj(m.act_fn(m.gate_proj(self.x)) * m.up_proj(self.x))
+
+    def setup_small(self):
+        self.make("small")
+
+    def benchmark_small(self):
+        self.run()
+
+    def verify_small(self):
+        return self.reference()
+
+    def setup_medium(self):
+        self.make("medium")
+
+    def benchmark_medium(self):
+        self.run()
+
+    def verify_medium(self):
+        return self.reference()
+
+    def setup_large(self):
+        self.make("large")
+
+    def benchmark_large(self):
+        self.run()
+
+    def verify_large(self):
+        return self.reference()
+
+
+class GeGLUMLPLayerBenchmark(Workloads, Benchmark):
+    """layers.GeGLUMLP.forward on the module, as kernelize runs it: the projections'
+    own forwards (cuBLAS) and the fused activation."""
+
+    def run(self):
+        self.out = self.kernel.layers.GeGLUMLP.forward(self.mlp, self.x)
+
+
+class GeGLUMLPDualGemmBenchmark(Workloads, Benchmark):
+    """geglu_mlp: the gate/up dual GEMM with the GeGLU epilogue, then the down GEMM."""
+
+    def run(self):
+        m = self.mlp
+        self.out = self.kernel.geglu_mlp(
+            self.x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
+        )

@@ -1,0 +1,201 @@
+"""Regenerate README.md's results (between the `<!-- results:start -->` and
+`<!-- results:end -->` markers) from the committed JSON in benchmarks/results/: the newest
+*-compare.json (benchmarks/compare.py) and, when one is committed, the newest
+*-report.json (scripts/report.py). `make results` runs it; --check only reports drift.
+
+Every number is the JSON's, rounded one way: milliseconds to 3 decimals, or 3 significant
+digits below 0.1 ms; fractions to 2 decimals; µs and MiB to integers.
+"""
+
+import argparse
+import json
+import math
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+RESULTS = ROOT / "benchmarks" / "results"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+# compare.py's MLP forward+backward runs at this many tokens.
+FWD_BWD_TOKENS = 8192
+PEERS = {
+    "ours": "fused-geglu `geglu`",
+    "ours_gelu_tanh_and_mul": "fused-geglu `gelu_tanh_and_mul`",
+    "ours_dual_gemm": "dual GEMM (`geglu_mlp`, 2 kernels)",
+    "ours_fused_activation": "cuBLAS + fused activation",
+    "eager": "eager",
+    "compile": "torch.compile",
+    "liger": "Liger",
+}
+
+
+def ms(value: float | None) -> str:
+    """3 decimals; below 0.1 ms, 3 significant digits."""
+    if value is None:
+        return "-"
+    return f"{value:.{max(3, 2 - math.floor(math.log10(value)))}f}"
+
+
+def frac(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def table(head: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def paragraph(text: str) -> list[str]:
+    """Wrapped at 90 columns, never inside a `code span`."""
+    parts = text.split("`")
+    parts[1::2] = [p.replace(" ", "\0") for p in parts[1::2]]
+    lines = textwrap.wrap("`".join(parts), width=90, break_on_hyphens=False)
+    return [line.replace("\0", " ") for line in lines] + [""]
+
+
+def compare_section(path: Path, result: dict) -> list[str]:
+    env, ceil = result["env"], result["ceilings"]
+    tune = path.with_name(path.name.replace("-compare.json", "-tune.json"))
+    peers = f"liger-kernel {env['liger_kernel']}" if env["liger_kernel"] else "no Liger"
+    text = (
+        f"Measured on one {env['gpu']} on {env['date']} (torch {env['torch']}, Triton "
+        f"{env['triton']}, transformers {env['transformers']}, {peers}), every peer in "
+        f"the same run, medians of `triton.testing.do_bench` (CUDA-graph replay for 64 "
+        f"tokens or fewer). Source: `{path.relative_to(ROOT)}`, made by "
+        f"`python benchmarks/compare.py`"
+    )
+    if tune.exists():
+        text += (
+            f"; launch tables chosen from `{tune.relative_to(ROOT)}` "
+            f"(`benchmarks/tune.py`)"
+        )
+    text += (
+        f". Ceilings measured in that run: copy {ceil['copy_TBps']:.2f} TB/s, 8192^3 "
+        f"bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s."
+    )
+    lines = paragraph(text)
+
+    act = result["activation"]
+    m, n = act["shape"]
+    lines += [f"GeGLU activation, {m} x {n}, {act['dtype']}, {act['approximate']}:", ""]
+    rows = [
+        [PEERS[name], ms(r["fwd_ms"]), frac(r.get("fwd_frac_of_copy"))]
+        + [ms(r.get("fwd_bwd_ms"))]
+        for name, r in act["rows"].items()
+    ]
+    head = ["", "forward ms", "forward, fraction of copy bandwidth"]
+    lines += table(head + ["forward+backward ms"], rows) + [""]
+
+    lin = result["linear"]
+    # compare.py's linear section runs in bfloat16 and does not record it.
+    lines += ["Linear with bias, bfloat16, forward ms (M tokens x N out x K in):", ""]
+    head = ["M, N, K", "fused-geglu `linear`", "cuBLAS `F.linear`", "torch.compile"]
+    head += ["`mm` then `+ bias`", "`linear` speed / cuBLAS's"]
+    rows = [
+        [f"{r['M']}, {r['N']}, {r['K']}"]
+        + [ms(r[k]["ms"]) for k in ("ours", "cublas", "compile", "mm_then_add")]
+        + [frac(r["ours_vs_cublas"])]
+        for r in lin["forward"]
+    ]
+    lines += table(head, rows) + [""]
+    key = next(k for k in lin if k.startswith("fwd_bwd_"))  # fwd_bwd_<MxNxK>_bias_ms
+    shape, fb = key.split("_")[2].replace("x", " x "), lin[key]
+    lines += paragraph(
+        f"Linear forward+backward with bias at {shape}: fused-geglu {ms(fb['ours'])} ms, "
+        f"eager {ms(fb['eager'])} ms."
+    )
+
+    mlp = result["mlp"]
+    peers = list(next(iter(mlp["forward"].values())))
+    title = f"Gemma-2B MLP (hidden {mlp['hidden']}, intermediate {mlp['intermediate']})"
+    lines += [f"{title}, {mlp['dtype']}, forward ms:", ""]
+    rows = [
+        [tokens] + [ms(row[p]["ms"]) for p in peers]
+        for tokens, row in mlp["forward"].items()
+    ]
+    lines += table(["tokens"] + [PEERS[p] for p in peers], rows) + [""]
+    rows = [
+        [tokens] + [f"{row[p]['host_us']:.0f}" for p in peers]
+        for tokens, row in mlp["forward"].items()
+        if "host_us" in row[peers[0]]
+    ]
+    if rows:
+        lines += ["Host (CPU) time per MLP forward, µs:", ""]
+        lines += table(["tokens"] + [PEERS[p] for p in peers], rows) + [""]
+    parts = [
+        f"{PEERS[p]} {ms(r['ms'])} ms ({r['peak_extra_MiB']:.0f} MiB)"
+        for p, r in mlp["fwd_bwd"].items()
+    ]
+    lines += paragraph(
+        f"MLP forward+backward at {FWD_BWD_TOKENS} tokens (peak extra memory in "
+        f"parentheses): " + ", ".join(parts) + "."
+    )
+    return lines
+
+
+def report_section(path: Path, report: dict) -> list[str]:
+    """The profiling report's per-stage table (scripts/report.py's JSON)."""
+    env, cfg = report["env"], report["config"]
+    lines = paragraph(
+        f"Profiling report, {env['device']}, {env['date']} (torch {env['torch']}, "
+        f"Triton {env['triton']}), hidden {cfg['hidden']}, intermediate "
+        f"{cfg['intermediate']}, {cfg['dtype']}. Source: `{path.relative_to(ROOT)}`, "
+        f"made by `python scripts/report.py`."
+    )
+    gpu = report["ceilings"] is not None
+    head = ["stage", "tokens", "kernels/call" if gpu else "ops/call", cfg["time_label"]]
+    head += ["host µs", "fraction of roofline"] if gpu else []
+    head += ["first call ms", "recompiles"]
+    rows = []
+    for name, stage in report["stages"].items():
+        for row in stage["rows"].values():
+            cells = [name, row["tokens"], row["kernels_per_call"]]
+            cells += [ms(row[cfg["time_key"]])]
+            if gpu:
+                cells += [f"{row['host_us']:.0f}", frac(row["frac_roofline"])]
+            cells += [ms(row["first_call_ms"]), stage.get("recompiles", "-")]
+            rows.append(cells)
+    return lines + table(head, rows) + [""]
+
+
+def render() -> str:
+    """The text between the markers."""
+    compare = max(RESULTS.glob("*-compare.json"))
+    lines = compare_section(compare, json.loads(compare.read_text()))
+    reports = list(RESULTS.glob("*-report.json"))
+    if reports:
+        path = max(reports)
+        lines += report_section(path, json.loads(path.read_text()))
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(readme: str, section: str) -> str:
+    head, start, rest = readme.partition(START)
+    _, end, tail = rest.partition(END)
+    if not start or not end:
+        raise SystemExit(f"README.md lacks the {START} ... {END} markers")
+    return f"{head}{START}\n{section}{END}{tail}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if README.md is out of date"
+    )
+    args = parser.parse_args()
+    readme = README.read_text()
+    updated = replace_section(readme, render())
+    if args.check:
+        if updated != readme:
+            print("README.md results are out of date: run `make results`")
+            return 1
+        return 0
+    README.write_text(updated)
+    print("README.md results regenerated")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

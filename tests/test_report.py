@@ -1,0 +1,136 @@
+"""The benchmark scripts (`kernels benchmark .`), the profiling report (scripts/report.py)
+and the README results, which scripts/render_results.py must reproduce from the JSON."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import HAS_GPU, ROOT
+from kernels.cli.benchmark import discover_benchmark_classes
+
+BENCHMARKS = sorted((ROOT / "benchmarks").glob("benchmark*.py"))
+STAGES = ["linear_compiled", "mlp_ours_dual_gemm"]
+TOKENS = [1, 16]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_scripts_exist():
+    expected = {f"benchmark_{name}.py" for name in ("activation", "linear", "mlp")}
+    assert expected <= {p.name for p in BENCHMARKS}
+
+
+@pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.stem)
+def test_benchmark_small_workload(script, fused_geglu, device):
+    """What the kernels runner does for each workload, for the small one: a fresh
+    instance, setup_, benchmark_, then verify_'s reference against self.out."""
+    classes = discover_benchmark_classes(script, ROOT)
+    assert classes
+    for cls in classes:
+        for workload in ("small", "medium", "large"):
+            for step in ("setup", "benchmark", "verify"):
+                assert callable(getattr(cls, f"{step}_{workload}")), (cls, step)
+        bench = cls()
+        bench.kernel, bench.device = fused_geglu, device
+        torch.manual_seed(bench.seed)
+        bench.setup_small()
+        bench.benchmark_small()
+        ref = bench.verify_small()
+        assert bench.out.shape == ref.shape and bench.out.dtype == ref.dtype
+        assert torch.allclose(bench.out, ref, atol=1e-2), cls.__name__  # the runner's
+        if ref.dtype == torch.float32:
+            torch.testing.assert_close(bench.out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    args = ["--hidden", "64", "--intermediate", "160", "--dtype", "float32"]
+    args += ["--tokens", *map(str, TOKENS), "--stages", *STAGES, "--out", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "report.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "| linear_compiled | 16 |" in run.stdout  # the markdown table, printed
+    return out
+
+
+def test_report_files(report_dir):
+    names = {p.name for p in report_dir.iterdir()}
+    expected = {"report.json", "report.md", "time_per_stage.png"}
+    expected |= {f"trace_{s}.json" for s in STAGES}
+    expected |= {"roofline_fraction.png"} if HAS_GPU else set()
+    assert expected <= names
+    for stage in STAGES:
+        trace = json.loads((report_dir / f"trace_{stage}.json").read_text())
+        assert trace["traceEvents"]
+    assert (report_dir / "time_per_stage.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_json(report_dir):
+    report = json.loads((report_dir / "report.json").read_text())
+    assert {"env", "config", "ceilings", "notes", "stages", "charts"} <= set(report)
+    assert report["config"]["tokens"] == TOKENS
+    assert list(report["stages"]) == STAGES
+    time_key = report["config"]["time_key"]
+    assert time_key == ("gpu_ms" if HAS_GPU else "cpu_ms")
+    for stage in report["stages"].values():
+        assert stage["cold_start_ms"] == stage["rows"]["1"]["first_call_ms"] > 0
+        assert list(stage["rows"]) == ["1", "16"]
+        for row in stage["rows"].values():
+            assert row[time_key] > 0 and row["kernels_per_call"] >= 1
+            assert sum(row["kernels"].values()) == row["kernels_per_call"]
+            assert row["bytes"] > 0 and row["flops"] > 0
+            if HAS_GPU:
+                assert row["host_us"] > 0 and 0 < row["frac_roofline"]
+    compiled = report["stages"]["linear_compiled"]
+    # Static shapes at 1 token, then one recompile with a dynamic token count.
+    assert compiled["frames_compiled"] >= 1 and compiled["compile_s"] > 0
+    assert compiled["recompiles"] == compiled["frames_compiled"] - 1
+    dual = report["stages"]["mlp_ours_dual_gemm"]["rows"]["16"]
+    ns = report["env"]["kernel"]
+    if not HAS_GPU:  # the outermost ops: our two custom ops
+        assert dual["kernels"] == {f"{ns}::geglu_linear": 1, f"{ns}::linear": 1}
+    t, h, i = 16, 64, 160  # x, 3 weights, output, and the product's round trip
+    assert dual["bytes"] == 4 * (2 * t * h + 3 * i * h + 2 * t * i)
+    assert dual["flops"] == 6 * t * h * i
+
+
+def test_report_renders(report_dir):
+    """A report JSON, as if committed to benchmarks/results/, renders as a table."""
+    render = load_script("render_results")
+    report = json.loads((report_dir / "report.json").read_text())
+    lines = render.report_section(render.RESULTS / "date-device-report.json", report)
+    text = "\n".join(lines)
+    assert all(f"| {s} | 16 |" in text for s in STAGES)
+
+
+def test_readme_results_match_json():
+    """README's results section is exactly what render_results.py makes of the JSON."""
+    render = load_script("render_results")
+    readme = (ROOT / "README.md").read_text()
+    assert render.replace_section(readme, render.render()) == readme, (
+        "README.md results differ from benchmarks/results/*.json: run `make results`"
+    )
+
+
+def test_render_rounding():
+    render = load_script("render_results")
+    assert [render.ms(v) for v in (3.12677, 0.2008, 0.0250164, 0.018946)] == [
+        "3.127",
+        "0.201",
+        "0.0250",
+        "0.0189",
+    ]

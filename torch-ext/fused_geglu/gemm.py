@@ -68,6 +68,8 @@ def _gemm_kernel(
     stride_cn,
     stride_zm,
     stride_zk,
+    stride_bias1,
+    stride_bias2,
     HAS_BIAS: tl.constexpr,
     DUAL: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -131,9 +133,11 @@ def _gemm_kernel(
     if SUM_A and pid_n == 0:
         tl.store(sum_a_ptr + offs_m, row_sum, mask=mask_m)
     if HAS_BIAS:
-        acc1 += tl.load(bias1_ptr + offs_n, mask=mask_n).to(tl.float32)[None, :]
+        bias1 = tl.load(bias1_ptr + offs_n * stride_bias1, mask=mask_n)
+        acc1 += bias1.to(tl.float32)[None, :]
         if DUAL:
-            acc2 += tl.load(bias2_ptr + offs_n, mask=mask_n).to(tl.float32)[None, :]
+            bias2 = tl.load(bias2_ptr + offs_n * stride_bias2, mask=mask_n)
+            acc2 += bias2.to(tl.float32)[None, :]
 
     mask = mask_m[:, None] & mask_n[None, :]
     c_offs = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -241,6 +245,11 @@ def gemm(
     M, K = a.shape
     N = b1.shape[0]
     if M == 0 or N == 0:
+        if sum_a is not None:  # no output columns, but the row sums of A are still owed
+            if grad_act is not None:
+                approximate = "tanh" if grad_act == "gelu_tanh" else "none"
+                a = torch.ops.aten.gelu_backward(a, grad_act_of, approximate=approximate)
+            sum_a.copy_(a.float().sum(1))
         return
     dual = b2 is not None
     cfg = _gemm_config(M, N, K, a.dtype, dual)
@@ -253,6 +262,7 @@ def gemm(
         preact1 if preact1 is not None else c, preact2 if preact2 is not None else c,
         z, sum_a if sum_a is not None else c,
         M, N, K, *a.stride(), *b1.stride(), *b2_.stride(), *c.stride(), *z.stride(),
+        bias1.stride(0) if bias1 is not None else 0, bias2.stride(0) if bias2 is not None else 0,
         HAS_BIAS=bias1 is not None,
         DUAL=dual,
         ACTIVATION=ACTIVATIONS[activation],

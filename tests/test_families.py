@@ -287,7 +287,7 @@ def wrap_projection(module, name):
     plain = getattr(module, name)
     wrapped = _ScaledLinear(
         plain.in_features, plain.out_features, plain.bias is not None
-    )
+    ).to(plain.weight.device)
     wrapped.load_state_dict(plain.state_dict())
     setattr(module, name, wrapped)
 

@@ -248,7 +248,9 @@ def gemm(
         if sum_a is not None:  # no output columns, but the row sums of A are still owed
             if grad_act is not None:
                 approximate = "tanh" if grad_act == "gelu_tanh" else "none"
-                a = torch.ops.aten.gelu_backward(a, grad_act_of, approximate=approximate)
+                a = torch.ops.aten.gelu_backward(
+                    a, grad_act_of, approximate=approximate
+                )
             sum_a.copy_(a.float().sum(1))
         return
     dual = b2 is not None

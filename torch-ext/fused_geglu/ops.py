@@ -13,7 +13,8 @@ from .activation import INTERPRETED, as_rows, geglu_bwd, geglu_fwd
 from .gemm import ACTIVATIONS, gemm
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TRITON_DEVICES = ("cuda", "xpu", "cpu")  # cuda includes ROCm; cpu: interpreter only
+# cuda includes ROCm; cpu: the interpreter only; meta: shapes only (the fake kernels)
+DEVICES = ("cuda", "xpu", "cpu", "meta")
 APPROXIMATIONS = ("tanh", "none")
 
 
@@ -64,10 +65,10 @@ def check_tensors(op: str, **tensors: torch.Tensor) -> None:
             f"{op}: dtype {first.dtype} is not supported (supported: bfloat16, float16, "
             f"float32){why} ({_describe(tensors)})"
         )
-    if first.device.type not in TRITON_DEVICES:
+    if first.device.type not in DEVICES:
         raise RuntimeError(
             f"{op}: Triton kernels cannot run on {first.device.type} tensors (supported: "
-            f"cuda, xpu, and cpu with TRITON_INTERPRET=1) ({_describe(tensors)})"
+            f"cuda, xpu, cpu with TRITON_INTERPRET=1, and meta) ({_describe(tensors)})"
         )
     if first.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(

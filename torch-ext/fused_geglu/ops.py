@@ -432,6 +432,11 @@ def linear(
     _check_activation("linear", activation)
     check_tensors("linear", x=x, weight=weight, **_given(bias=bias))
     _check_linear_shapes("linear", x, weight, bias)
+    return _linear_checked(x, weight, bias, activation)
+
+
+def _linear_checked(x, weight, bias, activation):
+    """``linear`` once its arguments are known to be valid."""
     store_preact = activation is not None and _needs_grad(x, weight, bias)
     return _call(_linear, _linear_eager, x, weight, bias, activation, store_preact)[0]
 
@@ -602,6 +607,11 @@ def geglu_linear(
     weight (ModernBERT ``Wi``, diffusers ``GEGLU.proj``) are passed as row slices, no copy.
     """
     _check_geglu_linear("geglu_linear", x, w_gate, w_up, b_gate, b_up, approximate)
+    return _geglu_linear_checked(x, w_gate, w_up, b_gate, b_up, approximate)
+
+
+def _geglu_linear_checked(x, w_gate, w_up, b_gate, b_up, approximate):
+    """``geglu_linear`` once its arguments are known to be valid."""
     store_preact = _needs_grad(x, w_gate, w_up, b_gate, b_up)
     args = (x, w_gate, w_up, b_gate, b_up, approximate, store_preact)
     return _call(_geglu_linear, _geglu_linear_eager, *args)[0]
@@ -634,6 +644,6 @@ def geglu_mlp(
             f"geglu_mlp: b_down must have shape ({w_down.shape[0]},), w_down's out_features, "
             f"got {tuple(b_down.shape)}"
         )
-    return linear(
-        geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate), w_down, b_down
-    )
+    # Everything is checked above: skip the two functions' own checks on this path.
+    h = _geglu_linear_checked(x, w_gate, w_up, b_gate, b_up, approximate)
+    return _linear_checked(h, w_down, b_down, None)

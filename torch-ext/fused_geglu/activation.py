@@ -74,6 +74,15 @@ def geglu_tile(gate, up, OUT_DTYPE: tl.constexpr, APPROX_TANH: tl.constexpr):
 
 
 @triton.jit
+def _tile_ids(N, BLOCK_N: tl.constexpr):
+    # A 1-D grid, row-major over tiles: a contiguous tensor viewed as one long row needs
+    # more column tiles than grid axis 1 allows (65535).
+    grid_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    return pid // grid_n, pid % grid_n
+
+
+@triton.jit
 def _tile_offsets(
     pid_m,
     pid_n,
@@ -114,8 +123,7 @@ def _geglu_fwd_kernel(
     BLOCK_N: tl.constexpr,
     INT64: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile_ids(N, BLOCK_N)
     offs_g, mask = _tile_offsets(
         pid_m, pid_n, M, N, stride_gm, stride_gn, BLOCK_M, BLOCK_N, INT64
     )
@@ -125,13 +133,9 @@ def _geglu_fwd_kernel(
     offs_o, _ = _tile_offsets(
         pid_m, pid_n, M, N, stride_om, stride_on, BLOCK_M, BLOCK_N, INT64
     )
-    # Streamed once: keep them out of L2's way.
-    gate = tl.load(gate_ptr + offs_g, mask=mask, eviction_policy="evict_first").to(
-        tl.float32
-    )
-    up = tl.load(up_ptr + offs_u, mask=mask, eviction_policy="evict_first").to(
-        tl.float32
-    )
+    # No eviction hint: evict_first measured 4% slower here (benchmarks/NOTES.md).
+    gate = tl.load(gate_ptr + offs_g, mask=mask).to(tl.float32)
+    up = tl.load(up_ptr + offs_u, mask=mask).to(tl.float32)
     out = geglu_tile(gate, up, out_ptr.dtype.element_ty, APPROX_TANH)
     tl.store(out_ptr + offs_o, out, mask=mask)
 
@@ -156,8 +160,7 @@ def _geglu_bwd_kernel(
     BLOCK_N: tl.constexpr,
     INT64: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile_ids(N, BLOCK_N)
     offs_d, mask = _tile_offsets(
         pid_m, pid_n, M, N, stride_dm, stride_dn, BLOCK_M, BLOCK_N, INT64
     )
@@ -201,15 +204,29 @@ def _elementwise_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
     return block_m, block_n, 8
 
 
-def _elementwise_launch(*rows: torch.Tensor) -> tuple[tuple[int, int], dict]:
-    """Grid and launch arguments for [M, N] views ``rows`` (any strides)."""
+# Contiguous operands are processed as one long row in 1024-element tiles with 4 warps
+# (two 16-byte vectors per thread in 16-bit dtypes): 0.189 ms forward on 8192 x 16384 bf16
+# against 0.207 ms for the best row tile (H200 sweep, benchmarks/NOTES.md). The interpreter
+# pays per program, not per element: larger tiles there.
+FLAT_BLOCK, FLAT_WARPS = (16384 if INTERPRETED else 1024), 4
+
+
+def _elementwise_launch(*rows: torch.Tensor) -> tuple[tuple[int], dict]:
+    """Grid and launch arguments for [M, N] views ``rows``: when all are contiguous, the
+    caller passes them as one row (``flat``); otherwise row tiles through their strides."""
     M, N = rows[0].shape
-    block_m, block_n, num_warps = _elementwise_config(N, rows[0].element_size())
+    flat = all(t.is_contiguous() for t in rows)
+    if flat:
+        M, N = 1, M * N
+        block_m, block_n, num_warps = 1, FLAT_BLOCK, FLAT_WARPS
+        strides = [(0, 1)] * len(rows)
+    else:
+        block_m, block_n, num_warps = _elementwise_config(N, rows[0].element_size())
+        strides = [t.stride() for t in rows]
     grid_m, grid_n = triton.cdiv(M, block_m), triton.cdiv(N, block_n)
     # Largest offset a program can form (masked lanes included) against int32's range.
     reach = max(
-        grid_m * block_m * abs(t.stride(0)) + grid_n * block_n * abs(t.stride(1))
-        for t in rows
+        grid_m * block_m * abs(sm) + grid_n * block_n * abs(sn) for sm, sn in strides
     )
     meta = {
         "BLOCK_M": block_m,
@@ -217,7 +234,7 @@ def _elementwise_launch(*rows: torch.Tensor) -> tuple[tuple[int, int], dict]:
         "INT64": reach >= 2**31,
         "num_warps": num_warps,
     }
-    return (grid_m, grid_n), meta
+    return (grid_m * grid_n,), (M, N, [s for st in strides for s in st]), meta
 
 
 def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -244,15 +261,14 @@ def geglu_fwd(
     if gate.numel() == 0:
         return
     g, u, o = as_rows(gate), as_rows(up), _rows_view(out)
-    M, N = g.shape
     if o is None:
         tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         geglu_fwd(gate, up, tmp, approximate)
         out.copy_(tmp)
         return
-    grid, meta = _elementwise_launch(g, u, o)
+    grid, (m, n, strides), meta = _elementwise_launch(g, u, o)
     _geglu_fwd_kernel[grid](
-        g, u, o, M, N, *g.stride(), *u.stride(), *o.stride(), APPROX_TANH=approximate == "tanh", **meta
+        g, u, o, m, n, *strides, APPROX_TANH=approximate == "tanh", **meta
     )  # fmt: skip
 
 
@@ -266,9 +282,8 @@ def geglu_bwd(
         return dgate, dup
     d, g, u = as_rows(dout), as_rows(gate), as_rows(up)
     M, N = g.shape
-    grid, meta = _elementwise_launch(d, g, u, dgate.view(M, N))
+    grid, (m, n, strides), meta = _elementwise_launch(d, g, u, dgate.view(M, N))
     _geglu_bwd_kernel[grid](
-        d, g, u, dgate, dup, M, N, *d.stride(), *g.stride(), *u.stride(),
-        APPROX_TANH=approximate == "tanh", **meta,
+        d, g, u, dgate, dup, m, n, *strides[:6], APPROX_TANH=approximate == "tanh", **meta
     )  # fmt: skip
     return dgate, dup

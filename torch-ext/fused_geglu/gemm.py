@@ -15,9 +15,12 @@ its strides, so transposes are free. Constexpr flags select the fused work:
   ADD_C        C += result (accumulating a second product into dX)
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import INTERPRETED, geglu_tile, gelu, gelu_grad
 
@@ -38,6 +41,62 @@ def _grouped_tile(
     pid_m = first_m + (pid % group_size) % rows
     pid_n = (pid % group_size) // rows
     return pid_m, pid_n
+
+
+@triton.jit
+def _grad_act_prologue(a, z, A_GRAD_ACT: tl.constexpr):
+    # round(dY * act'(Z)), as eager's gelu_backward output, before the product.
+    return (a.to(tl.float32) * gelu_grad(z.to(tl.float32), A_GRAD_ACT == 2)).to(a.dtype)
+
+
+@triton.jit
+def _epilogue(
+    acc1,
+    acc2,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    bias1_ptr,
+    bias2_ptr,
+    stride_bias1,
+    stride_bias2,
+    pre1_ptr,
+    pre2_ptr,
+    dtype: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DUAL: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
+):
+    """Bias, activation and pre-activation stores on the fp32 accumulators; returns the
+    tile C receives (before ADD_C)."""
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        bias1 = tl.load(bias1_ptr + offs_n * stride_bias1, mask=mask_n)
+        acc1 += bias1.to(tl.float32)[None, :]
+        if DUAL:
+            bias2 = tl.load(bias2_ptr + offs_n * stride_bias2, mask=mask_n)
+            acc2 += bias2.to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    pre_offs = offs_m[:, None] * N + offs_n[None, :]
+    if DUAL:
+        # eager: gate = round(x Wg^T + bg), up = round(x Wu^T + bu), then geglu's rounding.
+        gate = acc1.to(dtype)
+        up = acc2.to(dtype)
+        if STORE_PREACT:
+            tl.store(pre1_ptr + pre_offs, gate, mask=mask)
+            tl.store(pre2_ptr + pre_offs, up, mask=mask)
+        return geglu_tile(
+            gate.to(tl.float32), up.to(tl.float32), dtype, ACTIVATION == 2
+        )
+    elif ACTIVATION != 0:
+        preact = acc1.to(dtype)
+        if STORE_PREACT:
+            tl.store(pre1_ptr + pre_offs, preact, mask=mask)
+        return gelu(preact.to(tl.float32), ACTIVATION == 2).to(dtype)
+    else:
+        return acc1
 
 
 # M is specialised like N and K (== 1, % 16 == 0, other): at most three compilations per
@@ -84,6 +143,7 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    """Portable path: pointer loads through any strides, one output tile per program."""
     dtype = c_ptr.dtype.element_ty
     pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -114,10 +174,8 @@ def _gemm_kernel(
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         b1 = tl.load(b1_ptrs, mask=b_mask, other=0.0)
         if A_GRAD_ACT != 0:
-            z = tl.load(z_ptrs, mask=a_mask, other=0.0)
-            # round(dY * act'(Z)), as eager's gelu_backward output, before the product.
-            a = (a.to(tl.float32) * gelu_grad(z.to(tl.float32), A_GRAD_ACT == 2)).to(
-                a.dtype
+            a = _grad_act_prologue(
+                a, tl.load(z_ptrs, mask=a_mask, other=0.0), A_GRAD_ACT
             )
             z_ptrs += BLOCK_K * stride_zk
         if SUM_A and pid_n == 0:
@@ -132,34 +190,96 @@ def _gemm_kernel(
 
     if SUM_A and pid_n == 0:
         tl.store(sum_a_ptr + offs_m, row_sum, mask=mask_m)
-    if HAS_BIAS:
-        bias1 = tl.load(bias1_ptr + offs_n * stride_bias1, mask=mask_n)
-        acc1 += bias1.to(tl.float32)[None, :]
-        if DUAL:
-            bias2 = tl.load(bias2_ptr + offs_n * stride_bias2, mask=mask_n)
-            acc2 += bias2.to(tl.float32)[None, :]
-
+    out = _epilogue(
+        acc1, acc2, offs_m, offs_n, M, N, bias1_ptr, bias2_ptr, stride_bias1, stride_bias2,
+        pre1_ptr, pre2_ptr, dtype, HAS_BIAS, DUAL, ACTIVATION, STORE_PREACT,
+    )  # fmt: skip
     mask = mask_m[:, None] & mask_n[None, :]
     c_offs = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    pre_offs = offs_m[:, None] * N + offs_n[None, :]
-    if DUAL:
-        # eager: gate = round(x Wg^T + bg), up = round(x Wu^T + bu), then geglu's rounding.
-        gate = acc1.to(dtype)
-        up = acc2.to(dtype)
-        if STORE_PREACT:
-            tl.store(pre1_ptr + pre_offs, gate, mask=mask)
-            tl.store(pre2_ptr + pre_offs, up, mask=mask)
-        out = geglu_tile(gate.to(tl.float32), up.to(tl.float32), dtype, ACTIVATION == 2)
-    elif ACTIVATION != 0:
-        preact = acc1.to(dtype)
-        if STORE_PREACT:
-            tl.store(pre1_ptr + pre_offs, preact, mask=mask)
-        out = gelu(preact.to(tl.float32), ACTIVATION == 2).to(dtype)
-    else:
-        out = acc1
     if ADD_C:
         out = out.to(tl.float32) + tl.load(c_ptr + c_offs, mask=mask).to(tl.float32)
     tl.store(c_ptr + c_offs, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _tma_load(desc, off_rows, off_k, TRANSPOSED: tl.constexpr):
+    # A [rows, K] tile; a TRANSPOSED descriptor describes the operand's transpose [K, rows].
+    if TRANSPOSED:
+        return desc.load([off_k, off_rows]).T
+    else:
+        return desc.load([off_rows, off_k])
+
+
+@triton.jit
+def _gemm_tma_kernel(
+    a_desc,  # A [M, K], or A^T [K, M] when A_T
+    b1_desc,  # B1 [N, K], or B1^T [K, N] when B_T
+    b2_desc,  # B2 like B1 (DUAL)
+    z_desc,  # Z like A (A_GRAD_ACT)
+    c_desc,  # C [M, N]
+    bias1_ptr,
+    bias2_ptr,
+    pre1_ptr,
+    pre2_ptr,
+    sum_a_ptr,
+    M,
+    N,
+    K,
+    stride_bias1,
+    stride_bias2,
+    HAS_BIAS: tl.constexpr,
+    DUAL: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
+    A_GRAD_ACT: tl.constexpr,
+    SUM_A: tl.constexpr,
+    ADD_C: tl.constexpr,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Hopper path: TMA tile loads and stores (the copy engine zero-fills and clips the
+    edges, so no masks), and a persistent grid whose flattened loop prefetches the next
+    tile's operands during this tile's epilogue."""
+    dtype = c_desc.dtype
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k in range(tl.cdiv(K, BLOCK_K)):
+            off_k = k * BLOCK_K
+            a = _tma_load(a_desc, off_m, off_k, A_T)
+            if A_GRAD_ACT != 0:
+                a = _grad_act_prologue(
+                    a, _tma_load(z_desc, off_m, off_k, A_T), A_GRAD_ACT
+                )
+            if SUM_A and pid_n == 0:
+                row_sum += tl.sum(a.to(tl.float32), axis=1)
+            b1 = _tma_load(b1_desc, off_n, off_k, B_T)
+            acc1 = tl.dot(a, b1.T, acc1, input_precision=INPUT_PRECISION)
+            if DUAL:
+                b2 = _tma_load(b2_desc, off_n, off_k, B_T)
+                acc2 = tl.dot(a, b2.T, acc2, input_precision=INPUT_PRECISION)
+
+        offs_m = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
+        offs_n = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
+        if SUM_A and pid_n == 0:
+            tl.store(sum_a_ptr + offs_m, row_sum, mask=offs_m < M)
+        out = _epilogue(
+            acc1, acc2, offs_m, offs_n, M, N, bias1_ptr, bias2_ptr, stride_bias1,
+            stride_bias2, pre1_ptr, pre2_ptr, dtype, HAS_BIAS, DUAL, ACTIVATION, STORE_PREACT,
+        )  # fmt: skip
+        if ADD_C:
+            out = out.to(tl.float32) + c_desc.load([off_m, off_n]).to(tl.float32)
+        c_desc.store([off_m, off_n], out.to(dtype))
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -170,7 +290,9 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype, dual: bool) -> dict:
+def _gemm_config(
+    M: int, N: int, K: int, dtype: torch.dtype, dual: bool, tma: bool
+) -> dict:
     """Launch configuration by shape class (the one place it is chosen), from the H200 sweep
     in benchmarks/results/*-tune.json (Gemma-2B shapes, bf16).
 
@@ -178,8 +300,10 @@ def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype, dual: bool) -> dict
     M <= 64 (decode): weight streaming; one row tile holds every token so each weight
     tile is read once; narrow N tiles for narrow outputs so that there are more programs
     than SMs, long K tiles to keep weight loads in flight.
-    Otherwise 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages
-    (dual); fp32 operands halve BLOCK_K to fit shared memory.
+    TMA (Hopper, 16-bit, M > 64): 128x256x64 tiles, 8 warps, 3 stages (4 overflow shared
+    memory); dual: two 128x128 accumulators.
+    Portable: 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages
+    (dual). fp32 operands halve BLOCK_K to fit shared memory.
     """
     if INTERPRETED:
         return {
@@ -215,6 +339,15 @@ def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype, dual: bool) -> dict
             "num_warps": 4,
             "num_stages": 4 if wide else 3,
         }
+    if tma:  # 16-bit operands only
+        return {
+            "BLOCK_M": 128,
+            "BLOCK_N": 128 if dual else 256,
+            "BLOCK_K": 64,
+            "GROUP_M": 16 if dual else 8,
+            "num_warps": 8,
+            "num_stages": 3,
+        }
     return {
         "BLOCK_M": 128,
         "BLOCK_N": 128,
@@ -223,6 +356,60 @@ def _gemm_config(M: int, N: int, K: int, dtype: torch.dtype, dual: bool) -> dict
         "num_warps": 8 if dual else 4,
         "num_stages": 3 if dual else 4,
     }
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Whether TMA kernels run here: Hopper or newer NVIDIA GPUs, and the interpreter (so that
+    CPU tests cover that path too)."""
+    if INTERPRETED:
+        return True
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
+
+
+@functools.cache
+def _num_programs(device: torch.device) -> int:
+    """Persistent-grid width: one program per SM (a few under the interpreter)."""
+    if INTERPRETED:
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tma_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """``(view, transposed)`` with a unit last stride that a TMA descriptor can describe: ``t``
+    itself or ``t.T``; None when neither is (TMA needs a 16-byte-aligned base and row stride)."""
+    if t.data_ptr() % 16:
+        return None
+    for view, transposed in ((t, False), (t.t(), True)):
+        row_bytes = view.stride(0) * view.element_size()
+        if view.stride(1) == 1 and row_bytes > 0 and row_bytes % 16 == 0:
+            return view, transposed
+    return None
+
+
+def _tma_descriptors(a, b1, b2, z, c, block_m, block_n, block_k):
+    """TensorDescriptors for the TMA kernel and its A_T/B_T flags, or None when an operand is
+    not TMA-compatible or paired operands (A and Z, B1 and B2) disagree on orientation."""
+    ops = [_tma_operand(t) for t in (a, b1, b2, z, c)]
+    if None in ops:
+        return None
+    (a_v, a_t), (b1_v, b_t), (b2_v, b2_t), (z_v, z_t), (c_v, c_t) = ops
+    if b2_t != b_t or z_t != a_t or c_t:
+        return None
+    a_block = [block_k, block_m] if a_t else [block_m, block_k]
+    b_block = [block_k, block_n] if b_t else [block_n, block_k]
+    descs = (
+        TensorDescriptor.from_tensor(a_v, a_block),
+        TensorDescriptor.from_tensor(b1_v, b_block),
+        TensorDescriptor.from_tensor(b2_v, b_block),
+        TensorDescriptor.from_tensor(z_v, a_block),
+        TensorDescriptor.from_tensor(c_v, [block_m, block_n]),
+    )
+    return descs, a_t, b_t
 
 
 def gemm(
@@ -254,26 +441,49 @@ def gemm(
             sum_a.copy_(a.float().sum(1))
         return
     dual = b2 is not None
-    cfg = _gemm_config(M, N, K, a.dtype, dual)
-    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     b2_ = b2 if dual else b1
     z = grad_act_of if grad_act is not None else a
-    _gemm_kernel[grid](
-        a, b1, b2_, bias1 if bias1 is not None else c, bias2 if bias2 is not None else c, c,
-        preact1 if preact1 is not None else c, preact2 if preact2 is not None else c,
-        z, sum_a if sum_a is not None else c,
-        M, N, K, *a.stride(), *b1.stride(), *b2_.stride(), *c.stride(), *z.stride(),
-        bias1.stride(0) if bias1 is not None else 0, bias2.stride(0) if bias2 is not None else 0,
-        HAS_BIAS=bias1 is not None,
-        DUAL=dual,
-        ACTIVATION=ACTIVATIONS[activation],
-        STORE_PREACT=preact1 is not None,
-        A_GRAD_ACT=ACTIVATIONS[grad_act],
-        SUM_A=sum_a is not None,
-        ADD_C=add_c,
-        EVEN_K=K % block_k == 0,
-        INPUT_PRECISION=_input_precision(a.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    # TMA for 16-bit operands past decode sizes; fp32 (not a performance target) and
+    # decode shapes take the portable kernel.
+    tma = M > 64 and K > 0 and a.dtype != torch.float32 and _has_tma(a.device)
+    cfg = _gemm_config(M, N, K, a.dtype, dual, tma)
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    descs = (
+        _tma_descriptors(a, b1, b2_, z, c, block_m, block_n, block_k) if tma else None
+    )
+    flags = {
+        "HAS_BIAS": bias1 is not None,
+        "DUAL": dual,
+        "ACTIVATION": ACTIVATIONS[activation],
+        "STORE_PREACT": preact1 is not None,
+        "A_GRAD_ACT": ACTIVATIONS[grad_act],
+        "SUM_A": sum_a is not None,
+        "ADD_C": add_c,
+        "INPUT_PRECISION": _input_precision(a.dtype),
+        **cfg,
+    }
+    bias1_ = bias1 if bias1 is not None else c
+    bias2_ = bias2 if bias2 is not None else c
+    pre1, pre2 = (p if p is not None else c for p in (preact1, preact2))
+    sum_a_ = sum_a if sum_a is not None else c
+    bias_strides = (
+        bias1.stride(0) if bias1 is not None else 0, bias2.stride(0) if bias2 is not None else 0
+    )  # fmt: skip
+    if descs is not None:
+        (a_d, b1_d, b2_d, z_d, c_d), a_t, b_t = descs
+        grid = (min(tiles, _num_programs(a.device)),)
+        _gemm_tma_kernel[grid](
+            a_d, b1_d, b2_d, z_d, c_d, bias1_, bias2_, pre1, pre2, sum_a_, M, N, K,
+            *bias_strides, A_T=a_t, B_T=b_t, **flags,
+        )  # fmt: skip
+        return
+    if tma:  # Hopper, but an operand TMA cannot describe: the portable tiles
+        flags.update(_gemm_config(M, N, K, a.dtype, dual, False))
+        block_m, block_n = flags["BLOCK_M"], flags["BLOCK_N"]
+        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    _gemm_kernel[(tiles,)](
+        a, b1, b2_, bias1_, bias2_, c, pre1, pre2, z, sum_a_, M, N, K, *a.stride(),
+        *b1.stride(), *b2_.stride(), *c.stride(), *z.stride(), *bias_strides,
+        EVEN_K=K % flags["BLOCK_K"] == 0, **flags,
     )  # fmt: skip

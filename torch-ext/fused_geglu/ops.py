@@ -94,15 +94,22 @@ def _check_approximate(op: str, approximate: str) -> None:
 
 def _eager_function(impl, setup_context, autograd, backward_impl):
     """An autograd.Function running ``impl`` and, in backward, ``autograd`` with
-    ``backward_impl`` in place of the backward custom op."""
+    ``backward_impl`` in place of the backward custom op. Its forward takes ``ctx``
+    itself: a separate setup_context makes every apply() bind the arguments through
+    inspect.signature (~100 us of host time per call on the H200's host)."""
+
+    def forward(ctx, *args):
+        output = impl(*args)
+        setup_context(ctx, args, output)
+        return output
 
     def backward(ctx, *grads):
         return autograd(ctx, *grads, backward=backward_impl)
 
     members = {
-        "forward": staticmethod(impl),
-        "setup_context": staticmethod(setup_context),
+        "forward": staticmethod(forward),
         "backward": staticmethod(backward),
+        "impl": staticmethod(impl),
     }
     return type(f"{impl.__name__}_eager", (torch.autograd.Function,), members)
 
@@ -116,13 +123,22 @@ def _traced(t: torch.Tensor) -> bool:
     )
 
 
+def _needs_grad(*args) -> bool:
+    """Whether autograd records a call on ``args`` (tensors among other arguments)."""
+    return torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args
+    )
+
+
 def _call(op, eager, *args):
     if _traced(args[0]):
         return op(*args)
+    # Nothing to differentiate (inference): the implementation without autograd.
+    run = eager.apply if _needs_grad(*args) else eager.impl
     if torch.autograd._profiler_enabled():  # profiles still name the op
         with torch.profiler.record_function(op._qualname):
-            return eager.apply(*args)
-    return eager.apply(*args)
+            return run(*args)
+    return run(*args)
 
 
 # --- GeGLU activation -------------------------------------------------------------------
@@ -410,12 +426,6 @@ def _check_activation(op: str, activation: str | None) -> None:
         raise ValueError(
             f"{op}: activation must be None, 'gelu' or 'gelu_tanh', got {activation!r}"
         )
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in tensors
-    )
 
 
 def linear(

@@ -188,7 +188,21 @@ def mlp(ours):
             x, gate.weight, up.weight, down.weight, approximate="tanh"
         )
 
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    gemma_mlp = GemmaMLP(
+        GemmaConfig(
+            hidden_size=hidden, intermediate_size=inter, hidden_act="gelu_pytorch_tanh"
+        )
+    ).to("cuda", dt)
+    gemma_mlp.gate_proj, gemma_mlp.up_proj, gemma_mlp.down_proj = gate, up, down
+
+    def ours_layer(x):  # what kernelize installs: our GeGLUMLP.forward on GemmaMLP
+        return ours.layers.GeGLUMLP.forward(gemma_mlp, x)
+
     peers = {
+        "ours_layer": ours_layer,
         "ours_dual_gemm": ours_dual,
         "ours_fused_activation": ours_fused_act,
         "eager": eager,
@@ -222,6 +236,7 @@ def mlp(ours):
                     row[name]["host_us"] = host_us(lambda fn=fn: fn(x))
         with torch.no_grad():
             row["ours_dual_gemm"]["kernels"] = kernels_per_call(lambda: ours_dual(x))
+            row["ours_layer"]["kernels"] = kernels_per_call(lambda: ours_layer(x))
         result["forward"][str(tokens)] = row
     x = torch.randn(8192, hidden, dtype=dt, device="cuda", requires_grad=True)
     dy = torch.randn(8192, hidden, dtype=dt, device="cuda")

@@ -62,14 +62,17 @@ def test_geglu_mlp(fused_geglu, device, tokens, dtype, bias, approximate):
             assert_close_to_ref(o, r, e)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("gate_first", [True, False])
-def test_fused_weight_halves(fused_geglu, device, gate_first):
+def test_fused_weight_halves(fused_geglu, device, monkeypatch, gate_first, dtype):
     """One [2I, H] weight (ModernBERT gate-first, diffusers up-first), passed as row
-    slices: no copy, and gradients land in the right halves."""
+    slices: no copy, and gradients land in the right halves. In fp16 past 64 tokens the
+    forward is the TMA kernel's stacked [2, I, H] box (where TMA runs), either order."""
     hidden, inter = 40, 96
-    wi = (torch.randn(2 * inter, hidden, device=device) / hidden**0.5).requires_grad_()
-    bi = torch.randn(2 * inter, device=device, requires_grad=True)
-    x = torch.randn(9, hidden, device=device)
+    wi = torch.randn(2 * inter, hidden, dtype=dtype, device=device) / hidden**0.5
+    wi.requires_grad_()
+    bi = torch.randn(2 * inter, dtype=dtype, device=device, requires_grad=True)
+    x = torch.randn(130, hidden, dtype=dtype, device=device)
     g, u = (
         (slice(0, inter), slice(inter, None))
         if gate_first
@@ -77,17 +80,30 @@ def test_fused_weight_halves(fused_geglu, device, gate_first):
     )
     w_gate, w_up = wi[g], wi[u]
     assert w_gate.data_ptr() in (wi.data_ptr(), wi[inter:].data_ptr())
+    gemm = fused_geglu.gemm
+    launched = []
+    tma_kernel = gemm._gemm_tma_kernel
+    spy = type("Spy", (), {"__getitem__": lambda _, grid: launched.append(grid) or tma_kernel[grid]})  # fmt: skip
+    monkeypatch.setattr(gemm, "_gemm_tma_kernel", spy())
     h = fused_geglu.geglu_linear(x, w_gate, w_up, bi[g], bi[u], approximate="none")
-    h.square().sum().backward()
+    assert len(launched) == (dtype == torch.float16 and gemm._has_tma(x.device))
+    h.float().square().sum().backward()
+
+    def ref(wi, bi):
+        proj = F.linear(x.to(wi.dtype), wi, bi)
+        return F.gelu(proj[:, g]) * proj[:, u]
+
     wi64 = wi.detach().double().requires_grad_()
     bi64 = bi.detach().double().requires_grad_()
-    proj = F.linear(x.double(), wi64, bi64)
-    gate, up = (proj[:, g], proj[:, u])
-    ref = F.gelu(gate) * up
-    ref.square().sum().backward()
-    torch.testing.assert_close(h.double(), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(wi.grad.double(), wi64.grad, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(bi.grad.double(), bi64.grad, rtol=1e-4, atol=1e-4)
+    out64 = ref(wi64, bi64)
+    out64.square().sum().backward()
+    wie = wi.detach().clone().requires_grad_()
+    bie = bi.detach().clone().requires_grad_()
+    eager = ref(wie, bie)
+    eager.float().square().sum().backward()
+    assert_close_to_ref(h, out64, eager)
+    assert_close_to_ref(wi.grad, wi64.grad, wie.grad)
+    assert_close_to_ref(bi.grad, bi64.grad, bie.grad)
 
 
 def test_no_intermediates_without_grad(fused_geglu, device):

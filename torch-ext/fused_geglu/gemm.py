@@ -213,8 +213,7 @@ def _tma_load(desc, off_rows, off_k, TRANSPOSED: tl.constexpr):
 @triton.jit
 def _gemm_tma_kernel(
     a_desc,  # A [M, K], or A^T [K, M] when A_T
-    b1_desc,  # B1 [N, K], or B1^T [K, N] when B_T
-    b2_desc,  # B2 like B1 (DUAL)
+    b_desc,  # B [N, K], or B^T [K, N] when B_T; DUAL: [2, N, K] over both weights
     z_desc,  # Z like A (A_GRAD_ACT)
     c_desc,  # C [M, N]
     bias1_ptr,
@@ -236,6 +235,7 @@ def _gemm_tma_kernel(
     ADD_C: tl.constexpr,
     A_T: tl.constexpr,
     B_T: tl.constexpr,
+    UP_FIRST: tl.constexpr,  # DUAL: b_desc[0] holds B2 (up), b_desc[1] B1 (gate)
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -244,15 +244,19 @@ def _gemm_tma_kernel(
 ):
     """Hopper path: TMA tile loads and stores (the copy engine zero-fills and clips the
     edges, so no masks), and a persistent grid whose flattened loop prefetches the next
-    tile's operands during this tile's epilogue."""
+    tile's operands during this tile's epilogue. DUAL loads the gate and up tiles as one
+    [2, BLOCK_N, BLOCK_K] box and issues one 2*BLOCK_N-wide dot: two dots per step were
+    25% slower (benchmarks/NOTES.md)."""
     dtype = c_desc.dtype
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
         pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if DUAL:
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k in range(tl.cdiv(K, BLOCK_K)):
             off_k = k * BLOCK_K
@@ -263,12 +267,20 @@ def _gemm_tma_kernel(
                 )
             if SUM_A and pid_n == 0:
                 row_sum += tl.sum(a.to(tl.float32), axis=1)
-            b1 = _tma_load(b1_desc, off_n, off_k, B_T)
-            acc1 = tl.dot(a, b1.T, acc1, input_precision=INPUT_PRECISION)
             if DUAL:
-                b2 = _tma_load(b2_desc, off_n, off_k, B_T)
-                acc2 = tl.dot(a, b2.T, acc2, input_precision=INPUT_PRECISION)
+                b = b_desc.load([0, off_n, off_k]).reshape(2 * BLOCK_N, BLOCK_K)
+            else:
+                b = _tma_load(b_desc, off_n, off_k, B_T)
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
 
+        if DUAL:
+            first, second = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
+            if UP_FIRST:
+                acc1, acc2 = second, first
+            else:
+                acc1, acc2 = first, second
+        else:
+            acc1, acc2 = acc, acc
         offs_m = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
         offs_n = off_n.to(tl.int64) + tl.arange(0, BLOCK_N)
         if SUM_A and pid_n == 0:
@@ -363,12 +375,19 @@ def _has_tma(device: torch.device) -> bool:
     """Whether TMA kernels run here: Hopper or newer NVIDIA GPUs, and the interpreter (so that
     CPU tests cover that path too)."""
     if INTERPRETED:
-        return True
+        return device.type == "cpu"
     return (
         device.type == "cuda"
         and torch.version.hip is None
         and torch.cuda.get_device_capability(device) >= (9, 0)
     )
+
+
+def dual_gemm_is_fast(x: torch.Tensor) -> bool:
+    """Whether the GeGLU dual GEMM beats two cuBLAS projections + the fused activation for
+    activations ``x``: 16-bit operands where the TMA kernel runs (H200 measurements in
+    benchmarks/results/*-compare.json; the portable two-dot kernel loses at 8192 tokens)."""
+    return x.dtype in (torch.float16, torch.bfloat16) and _has_tma(x.device)
 
 
 @functools.cache
@@ -391,25 +410,58 @@ def _tma_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     return None
 
 
+def _stacked_weights(b1, b2, block_n, block_k):
+    """One [2, N, K] descriptor over two [N, K] weights wherever they lie: its outer stride
+    is the distance between them (TMA addresses any 16-byte-aligned stride), so the gate and
+    up tiles arrive as one box. Returns (descriptor, up_first) or None."""
+    lo, hi, up_first = (
+        (b1, b2, False) if b2.data_ptr() > b1.data_ptr() else (b2, b1, True)
+    )
+    gap = hi.data_ptr() - lo.data_ptr()
+    operand = _tma_operand(lo)
+    if (
+        operand is None
+        or operand[1]
+        or lo.stride() != hi.stride()
+        or gap == 0
+        or gap % 16
+    ):
+        return None
+    (n, k), es = lo.shape, lo.element_size()
+    desc = TensorDescriptor(
+        lo, [2, n, k], [gap // es, lo.stride(0), 1], [2, block_n, block_k]
+    )
+    return desc, up_first
+
+
 def _tma_descriptors(a, b1, b2, z, c, block_m, block_n, block_k):
-    """TensorDescriptors for the TMA kernel and its A_T/B_T flags, or None when an operand is
-    not TMA-compatible or paired operands (A and Z, B1 and B2) disagree on orientation."""
-    ops = [_tma_operand(t) for t in (a, b1, b2, z, c)]
+    """(descriptors for A, B, Z, C; A_T, B_T, UP_FIRST) for the TMA kernel, or None when an
+    operand is not TMA-compatible, A and Z disagree on orientation, or the dual GEMM's
+    weights cannot share one descriptor."""
+    ops = [_tma_operand(t) for t in (a, b1, z, c)]
     if None in ops:
         return None
-    (a_v, a_t), (b1_v, b_t), (b2_v, b2_t), (z_v, z_t), (c_v, c_t) = ops
-    if b2_t != b_t or z_t != a_t or c_t:
+    (a_v, a_t), (b_v, b_t), (z_v, z_t), (c_v, c_t) = ops
+    if z_t != a_t or c_t:
         return None
     a_block = [block_k, block_m] if a_t else [block_m, block_k]
-    b_block = [block_k, block_n] if b_t else [block_n, block_k]
+    up_first = False
+    if b2 is not None:
+        stacked = _stacked_weights(b1, b2, block_n, block_k)
+        if stacked is None:
+            return None
+        b_desc, up_first = stacked
+    else:
+        b_desc = TensorDescriptor.from_tensor(
+            b_v, [block_k, block_n] if b_t else [block_n, block_k]
+        )
     descs = (
         TensorDescriptor.from_tensor(a_v, a_block),
-        TensorDescriptor.from_tensor(b1_v, b_block),
-        TensorDescriptor.from_tensor(b2_v, b_block),
+        b_desc,
         TensorDescriptor.from_tensor(z_v, a_block),
         TensorDescriptor.from_tensor(c_v, [block_m, block_n]),
     )
-    return descs, a_t, b_t
+    return descs, a_t, b_t, up_first
 
 
 def gemm(
@@ -450,7 +502,7 @@ def gemm(
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     descs = (
-        _tma_descriptors(a, b1, b2_, z, c, block_m, block_n, block_k) if tma else None
+        _tma_descriptors(a, b1, b2, z, c, block_m, block_n, block_k) if tma else None
     )
     flags = {
         "HAS_BIAS": bias1 is not None,
@@ -471,11 +523,11 @@ def gemm(
         bias1.stride(0) if bias1 is not None else 0, bias2.stride(0) if bias2 is not None else 0
     )  # fmt: skip
     if descs is not None:
-        (a_d, b1_d, b2_d, z_d, c_d), a_t, b_t = descs
+        (a_d, b_d, z_d, c_d), a_t, b_t, up_first = descs
         grid = (min(tiles, _num_programs(a.device)),)
         _gemm_tma_kernel[grid](
-            a_d, b1_d, b2_d, z_d, c_d, bias1_, bias2_, pre1, pre2, sum_a_, M, N, K,
-            *bias_strides, A_T=a_t, B_T=b_t, **flags,
+            a_d, b_d, z_d, c_d, bias1_, bias2_, pre1, pre2, sum_a_, M, N, K, *bias_strides,
+            A_T=a_t, B_T=b_t, UP_FIRST=up_first, **flags,
         )  # fmt: skip
         return
     if tma:  # Hopper, but an operand TMA cannot describe: the portable tiles

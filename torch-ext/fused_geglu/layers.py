@@ -11,7 +11,8 @@ import warnings
 import torch
 from torch import nn
 
-from .ops import geglu, linear
+from .gemm import dual_gemm_is_fast
+from .ops import geglu, geglu_linear, linear
 
 # transformers' tanh-GeLU modules (ACT2FN "gelu_pytorch_tanh", "gelu_python_tanh",
 # "gelu_new", "gelu_fast") all compute 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -76,13 +77,44 @@ class Linear(nn.Module):
         return linear(input, self.weight, self.bias)
 
 
+def _plain_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear`` that computes exactly ``F.linear``: not a subclass (LoRA,
+    quantised), no hooks, no instance-level ``forward`` (patched or kernelized)."""
+    return (
+        type(m) is nn.Linear
+        and not m._forward_hooks
+        and not m._forward_pre_hooks
+        and "forward" not in m.__dict__
+    )
+
+
+def _dual_gemm_applies(x: torch.Tensor, *projections: nn.Module) -> bool:
+    """Whether the projections can be replaced by our GeGLU dual GEMM, and it is the
+    faster choice: plain 16-bit ``nn.Linear`` weights of x's dtype, no autocast, a GPU
+    with TMA (on the H200 it beats cuBLAS + a fused activation at every token count:
+    benchmarks/results/*-compare.json)."""
+    return (
+        dual_gemm_is_fast(x)
+        and all(_plain_linear(p) and p.weight.dtype == x.dtype for p in projections)
+        and not torch.is_autocast_enabled(x.device.type)
+    )
+
+
 def _geglu_two_projections(
     x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, approximate: str
 ) -> torch.Tensor:
-    """``gelu(gate_proj(x)) * up_proj(x)``: the projections' own forwards (cuBLAS with the
-    bias in its epilogue, or whatever wraps them: LoRA, quantised, hooked, autocast) and our
-    fused activation. On the H200 this beats the ``geglu_linear`` dual GEMM today
-    (benchmarks/results/*-compare.json), so every layer takes it."""
+    """``gelu(gate_proj(x)) * up_proj(x)``: our dual GEMM where it applies, else the
+    projections' own forwards (cuBLAS, or whatever wraps them: LoRA, quantised, hooked,
+    autocast) and our fused activation."""
+    if _dual_gemm_applies(x, gate_proj, up_proj):
+        return geglu_linear(
+            x,
+            gate_proj.weight,
+            up_proj.weight,
+            gate_proj.bias,
+            up_proj.bias,
+            approximate,
+        )
     return geglu(gate_proj(x), up_proj(x), approximate)
 
 
@@ -90,8 +122,16 @@ def _geglu_fused_projection(
     x: torch.Tensor, proj: nn.Module, gate_half: int, approximate: str
 ) -> torch.Tensor:
     """``gelu(halves[gate_half]) * halves[1 - gate_half]`` for
-    ``halves = proj(x).chunk(2, dim=-1)``: the halves are views that the activation
-    kernel reads through their row stride, no copy."""
+    ``halves = proj(x).chunk(2, dim=-1)``. The dual GEMM reads the weight's halves as row
+    slices; otherwise the projection's output halves are views that the activation kernel
+    reads through their row stride. No copy either way."""
+    if _dual_gemm_applies(x, proj) and proj.out_features % 2 == 0:
+        w, b = (
+            proj.weight.chunk(2),
+            (None, None) if proj.bias is None else proj.bias.chunk(2),
+        )
+        g, u = gate_half, 1 - gate_half
+        return geglu_linear(x, w[g], w[u], b[g], b[u], approximate)
     halves = proj(x).chunk(2, dim=-1)
     return geglu(halves[gate_half], halves[1 - gate_half], approximate)
 
@@ -157,8 +197,7 @@ class ModernBertGeGLUMLP(nn.Module):
         approximate = gelu_approximation(self.act, "config.hidden_activation")
         h = _geglu_fused_projection(hidden_states, self.Wi, 0, approximate)
         # self.Wo, not linear(Wo.weight): a wrapped Wo (LoRA, quantised, hooked,
-        # kernelized) keeps its own forward, and cuBLAS is at least as fast as our GEMM
-        # alone (README, Results).
+        # kernelized) keeps its own forward.
         return self.Wo(self.drop(h))
 
 

@@ -114,10 +114,11 @@ def test_training_gradients_match_eager(device, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_half_precision_mlp_takes_the_dual_gemm(fused_geglu, device, family):
-    """16-bit plain projections where the TMA kernel runs (the interpreter, Hopper): the
-    layer computes gate and up in our dual GEMM (the profile names the op), and forward and
-    gradients match the float64 module as closely as eager fp16 does."""
+def test_half_precision_mlp_paths(fused_geglu, device, family):
+    """16-bit plain projections where the TMA kernel runs (the interpreter, Hopper): in
+    inference the layer is our dual GEMM + our down GEMM (the profile names the ops); in
+    training the projections' own forwards + our activation. Both match the float64 module
+    as closely as eager fp16 does, gradients included."""
     from reference import assert_close_to_ref
 
     dtype = torch.float16
@@ -127,17 +128,27 @@ def test_half_precision_mlp_takes_the_dual_gemm(fused_geglu, device, family):
     ref = copy.deepcopy(eager).double()
     x = torch.randn(2, 40, TINY["hidden_size"], dtype=dtype, device=device)
     dy = torch.randn_like(x)
-    results = []
-    for module in (ours, ref, eager):
-        xi = x.to(next(module.parameters()).dtype).clone().requires_grad_()
-        with torch.profiler.profile() as prof:
+
+    def run(module, grad):
+        xi = x.to(next(module.parameters()).dtype).clone().requires_grad_(grad)
+        with torch.profiler.profile() as prof, torch.set_grad_enabled(grad):
             out = module(xi)
-        out.backward(dy.to(out.dtype))
-        grads = [xi.grad] + [p.grad for p in module.parameters()]
-        results.append((out.detach(), grads, {e.name for e in prof.events()}))
-    (out, grads, ops), (out64, grads64, _), (out16, grads16, _) = results
-    dual = any(name.endswith("::geglu_linear") for name in ops)
-    assert dual == fused_geglu.gemm.dual_gemm_is_fast(x), sorted(ops)
+        if grad:
+            out.backward(dy.to(out.dtype))
+        grads = [xi.grad] + [p.grad for p in module.parameters()] if grad else []
+        names = (e.name for e in prof.events() if "fused_geglu" in e.name)
+        return out.detach(), grads, {name.split("::")[-1] for name in names}
+
+    for module in (ours, ref, eager):
+        module.zero_grad(set_to_none=True)
+    (out, _, ops), (out64, _, _), (out16, _, _) = (
+        run(m, False) for m in (ours, ref, eager)
+    )
+    fused = fused_geglu.gemm.dual_gemm_is_fast(x)
+    assert ("geglu_linear" in ops) == fused and ("linear" in ops) == fused, sorted(ops)
+    assert_close_to_ref(out, out64, out16)
+    (out, grads, ops), (out64, grads64, _), (out16, grads16, _) = (run(m, True) for m in (ours, ref, eager))  # fmt: skip
+    assert "geglu_linear" not in ops and "geglu" in ops, sorted(ops)
     assert_close_to_ref(out, out64, out16)
     for o, r, e in zip(grads, grads64, grads16):
         assert_close_to_ref(o, r, e)

@@ -303,7 +303,7 @@ def _input_precision(dtype: torch.dtype) -> str:
 
 
 def _gemm_config(
-    M: int, N: int, K: int, dtype: torch.dtype, dual: bool, tma: bool
+    M: int, N: int, K: int, dtype: torch.dtype, dual: bool, tma: bool, extra_tiles: bool
 ) -> dict:
     """Launch configuration by shape class (the one place it is chosen), from the H200 sweep
     in benchmarks/results/*-tune.json (Gemma-2B shapes, bf16).
@@ -313,7 +313,8 @@ def _gemm_config(
     tile is read once; narrow N tiles for narrow outputs so that there are more programs
     than SMs, long K tiles to keep weight loads in flight.
     TMA (Hopper, 16-bit, M > 64): 128x256x64 tiles, 8 warps, 3 stages (4 overflow shared
-    memory); dual: two 128x128 accumulators.
+    memory); dual: a 128x(2x128) accumulator. ``extra_tiles`` (the backward's A_GRAD_ACT
+    prologue reads Z, ADD_C reads C): 128x128 tiles, so that 3 stages fit 227 KB.
     Portable: 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages
     (dual). fp32 operands halve BLOCK_K to fit shared memory.
     """
@@ -351,6 +352,15 @@ def _gemm_config(
             "num_warps": 4,
             "num_stages": 4 if wide else 3,
         }
+    if tma and extra_tiles:  # a Z tile per stage or a C tile to add: 128x128 fits
+        return {
+            "BLOCK_M": 128,
+            "BLOCK_N": 128,
+            "BLOCK_K": 64,
+            "GROUP_M": 8,
+            "num_warps": 4,
+            "num_stages": 3,
+        }
     if tma:  # 16-bit operands only
         return {
             "BLOCK_M": 128,
@@ -372,15 +382,44 @@ def _gemm_config(
 
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
-    """Whether TMA kernels run here: Hopper or newer NVIDIA GPUs, and the interpreter (so that
-    CPU tests cover that path too)."""
+    """Whether the TMA kernel runs here: data-center Hopper and Blackwell GPUs (compute
+    capability 9.x, 10.x: the 227 KB of shared memory its tiles assume), and the
+    interpreter (so that CPU tests cover that path too)."""
     if INTERPRETED:
         return device.type == "cpu"
     return (
         device.type == "cuda"
         and torch.version.hip is None
-        and torch.cuda.get_device_capability(device) >= (9, 0)
+        and torch.cuda.get_device_capability(device)[0] in (9, 10)
     )
+
+
+def tma_applies(M: int, a: torch.Tensor) -> bool:
+    """Whether a GEMM with M rows of 16-bit ``a`` takes the TMA kernel (when its operands
+    are aligned). Decode shapes (M <= 64: weight streaming) and fp32 (not a performance
+    target) take the portable kernel."""
+    return M > 64 and a.dtype in (torch.float16, torch.bfloat16) and _has_tma(a.device)
+
+
+# Launch flags -> the pipeline depth that fitted in shared memory, after a launch had to
+# retry with fewer stages (a GPU with less shared memory, a variant the table misjudges).
+_STAGES_THAT_FIT: dict[tuple, int] = {}
+
+
+def _launch_fitting(kernel, grid, args, flags: dict) -> None:
+    """Launch with the table's num_stages, or the most that compile within shared memory."""
+    key = tuple(sorted(flags.items()))
+    stages = _STAGES_THAT_FIT.get(key, flags["num_stages"])
+    while True:
+        try:
+            kernel[grid](*args, **{**flags, "num_stages": stages})
+        except triton.runtime.errors.OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1
+            _STAGES_THAT_FIT[key] = stages
+            continue
+        return
 
 
 def dual_gemm_is_fast(x: torch.Tensor) -> bool:
@@ -495,10 +534,11 @@ def gemm(
     dual = b2 is not None
     b2_ = b2 if dual else b1
     z = grad_act_of if grad_act is not None else a
-    # TMA for 16-bit operands past decode sizes; fp32 (not a performance target) and
-    # decode shapes take the portable kernel.
-    tma = M > 64 and K > 0 and a.dtype != torch.float32 and _has_tma(a.device)
-    cfg = _gemm_config(M, N, K, a.dtype, dual, tma)
+    tma = K > 0 and tma_applies(M, a)
+    # Tiles beyond A, B and C in shared memory: Z (the A_GRAD_ACT prologue), C read back
+    # (ADD_C), the pre-activation relayout (single GEMM with an activation, training).
+    extra_tiles = grad_act is not None or add_c or (preact1 is not None and not dual)
+    cfg = _gemm_config(M, N, K, a.dtype, dual, tma, extra_tiles)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     descs = (
@@ -525,13 +565,27 @@ def gemm(
     if descs is not None:
         (a_d, b_d, z_d, c_d), a_t, b_t, up_first = descs
         grid = (min(tiles, _num_programs(a.device)),)
-        _gemm_tma_kernel[grid](
-            a_d, b_d, z_d, c_d, bias1_, bias2_, pre1, pre2, sum_a_, M, N, K, *bias_strides,
-            A_T=a_t, B_T=b_t, UP_FIRST=up_first, **flags,
+        args = (
+            a_d,
+            b_d,
+            z_d,
+            c_d,
+            bias1_,
+            bias2_,
+            pre1,
+            pre2,
+            sum_a_,
+            M,
+            N,
+            K,
+            *bias_strides,
+        )
+        _launch_fitting(
+            _gemm_tma_kernel, grid, args, {"A_T": a_t, "B_T": b_t, "UP_FIRST": up_first, **flags}
         )  # fmt: skip
         return
     if tma:  # Hopper, but an operand TMA cannot describe: the portable tiles
-        flags.update(_gemm_config(M, N, K, a.dtype, dual, False))
+        flags.update(_gemm_config(M, N, K, a.dtype, dual, False, extra_tiles))
         block_m, block_n = flags["BLOCK_M"], flags["BLOCK_N"]
         tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     _gemm_kernel[(tiles,)](

@@ -11,8 +11,8 @@ import warnings
 import torch
 from torch import nn
 
-from .gemm import dual_gemm_is_fast
-from .ops import geglu, geglu_linear, linear
+from .gemm import dual_gemm_is_fast, tma_applies
+from .ops import _needs_grad, geglu, geglu_linear, linear
 
 # transformers' tanh-GeLU modules (ACT2FN "gelu_pytorch_tanh", "gelu_python_tanh",
 # "gelu_new", "gelu_fast") all compute 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -59,9 +59,8 @@ class GeGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         approximate = gelu_approximation(self.act_fn)
-        return self.down_proj(
-            _geglu_two_projections(x, self.gate_proj, self.up_proj, approximate)
-        )
+        h, fused = _geglu_two_projections(x, self.gate_proj, self.up_proj, approximate)
+        return _project_down(h, self.down_proj, fused)
 
 
 class Linear(nn.Module):
@@ -89,25 +88,35 @@ def _plain_linear(m: nn.Module) -> bool:
 
 
 def _dual_gemm_applies(x: torch.Tensor, *projections: nn.Module) -> bool:
-    """Whether the projections can be replaced by our GeGLU dual GEMM, and it is the
-    faster choice: plain 16-bit ``nn.Linear`` weights of x's dtype, no autocast, a GPU
-    with TMA (on the H200 it beats cuBLAS + a fused activation at every token count:
-    benchmarks/results/*-compare.json)."""
+    """Whether our GeGLU dual GEMM replaces the projections, where it is the faster choice:
+    inference (in training, cuBLAS's backward GEMMs and our fused activation were faster
+    and lighter), plain 16-bit ``nn.Linear`` weights of x's dtype, no autocast, a GPU with
+    TMA. On the H200 it beats cuBLAS + a fused activation at 1 to 8192 tokens
+    (benchmarks/results/*-compare.json)."""
     return (
-        dual_gemm_is_fast(x)
+        not _needs_grad(x, *(p for m in projections for p in m.parameters()))
+        and dual_gemm_is_fast(x)
         and all(_plain_linear(p) and p.weight.dtype == x.dtype for p in projections)
         and not torch.is_autocast_enabled(x.device.type)
     )
 
 
+def _project_down(h: torch.Tensor, proj: nn.Module, fused: bool) -> torch.Tensor:
+    """``proj(h)``; after our dual GEMM, past decode sizes, our TMA GEMM instead: the MLP is
+    then two kernels (cuBLAS adds a memset there) and 2% faster (H200, 8192 tokens)."""
+    if fused and _plain_linear(proj) and tma_applies(h.shape[:-1].numel(), h):
+        return linear(h, proj.weight, proj.bias)
+    return proj(h)
+
+
 def _geglu_two_projections(
     x: torch.Tensor, gate_proj: nn.Module, up_proj: nn.Module, approximate: str
-) -> torch.Tensor:
-    """``gelu(gate_proj(x)) * up_proj(x)``: our dual GEMM where it applies, else the
-    projections' own forwards (cuBLAS, or whatever wraps them: LoRA, quantised, hooked,
+) -> tuple[torch.Tensor, bool]:
+    """``gelu(gate_proj(x)) * up_proj(x)``, and whether our dual GEMM computed it; otherwise
+    the projections' own forwards (cuBLAS, or whatever wraps them: LoRA, quantised, hooked,
     autocast) and our fused activation."""
     if _dual_gemm_applies(x, gate_proj, up_proj):
-        return geglu_linear(
+        h = geglu_linear(
             x,
             gate_proj.weight,
             up_proj.weight,
@@ -115,25 +124,24 @@ def _geglu_two_projections(
             up_proj.bias,
             approximate,
         )
-    return geglu(gate_proj(x), up_proj(x), approximate)
+        return h, True
+    return geglu(gate_proj(x), up_proj(x), approximate), False
 
 
 def _geglu_fused_projection(
     x: torch.Tensor, proj: nn.Module, gate_half: int, approximate: str
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, bool]:
     """``gelu(halves[gate_half]) * halves[1 - gate_half]`` for
-    ``halves = proj(x).chunk(2, dim=-1)``. The dual GEMM reads the weight's halves as row
-    slices; otherwise the projection's output halves are views that the activation kernel
-    reads through their row stride. No copy either way."""
-    if _dual_gemm_applies(x, proj) and proj.out_features % 2 == 0:
-        w, b = (
-            proj.weight.chunk(2),
-            (None, None) if proj.bias is None else proj.bias.chunk(2),
-        )
+    ``halves = proj(x).chunk(2, dim=-1)``, and whether our dual GEMM computed it (reading
+    the weight's halves as row slices); otherwise the projection's output halves are views
+    that the activation kernel reads through their row stride. No copy either way."""
+    if proj.out_features % 2 == 0 and _dual_gemm_applies(x, proj):
+        w = proj.weight.chunk(2)
+        b = (None, None) if proj.bias is None else proj.bias.chunk(2)
         g, u = gate_half, 1 - gate_half
-        return geglu_linear(x, w[g], w[u], b[g], b[u], approximate)
+        return geglu_linear(x, w[g], w[u], b[g], b[u], approximate), True
     halves = proj(x).chunk(2, dim=-1)
-    return geglu(halves[gate_half], halves[1 - gate_half], approximate)
+    return geglu(halves[gate_half], halves[1 - gate_half], approximate), False
 
 
 class T5GeGLUDense(nn.Module):
@@ -162,7 +170,7 @@ class T5GeGLUDense(nn.Module):
         approximate = gelu_approximation(
             self.act, "config.feed_forward_proj / config.dense_act_fn"
         )
-        hidden_states = _geglu_two_projections(
+        hidden_states, fused = _geglu_two_projections(
             hidden_states, self.wi_0, self.wi_1, approximate
         )
         hidden_states = self.dropout(hidden_states)
@@ -173,7 +181,7 @@ class T5GeGLUDense(nn.Module):
             and self.wo.weight.dtype != torch.int8
         ):
             hidden_states = hidden_states.to(self.wo.weight.dtype)
-        return self.wo(hidden_states)
+        return _project_down(hidden_states, self.wo, fused)
 
 
 class ModernBertGeGLUMLP(nn.Module):
@@ -195,10 +203,8 @@ class ModernBertGeGLUMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         approximate = gelu_approximation(self.act, "config.hidden_activation")
-        h = _geglu_fused_projection(hidden_states, self.Wi, 0, approximate)
-        # self.Wo, not linear(Wo.weight): a wrapped Wo (LoRA, quantised, hooked,
-        # kernelized) keeps its own forward.
-        return self.Wo(self.drop(h))
+        h, fused = _geglu_fused_projection(hidden_states, self.Wi, 0, approximate)
+        return _project_down(self.drop(h), self.Wo, fused)
 
 
 # diffusers' message, which its GEGLU passes to diffusers.utils.deprecate.
@@ -227,4 +233,4 @@ class GEGLU(nn.Module):
     def forward(self, hidden_states, *args, **kwargs) -> torch.Tensor:
         if len(args) > 0 or kwargs.get("scale", None) is not None:
             warnings.warn(_SCALE_DEPRECATION, FutureWarning)
-        return _geglu_fused_projection(hidden_states, self.proj, 1, "none")
+        return _geglu_fused_projection(hidden_states, self.proj, 1, "none")[0]

@@ -23,7 +23,8 @@ FWD_BWD_TOKENS = 8192
 PEERS = {
     "ours": "fused-geglu `geglu`",
     "ours_gelu_tanh_and_mul": "fused-geglu `gelu_tanh_and_mul`",
-    "ours_dual_gemm": "dual GEMM (`geglu_mlp`, 2 kernels)",
+    "ours_layer": "fused-geglu `GeGLUMLP` layer",
+    "ours_dual_gemm": "`geglu_mlp` (dual GEMM + our down GEMM)",
     "ours_fused_activation": "cuBLAS + fused activation",
     "eager": "eager",
     "compile": "torch.compile",

@@ -195,8 +195,9 @@ def _elementwise_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
 
     A row tile spans up to 16 bytes x 32 lanes x 8 warps (2048 bf16 / 1024 fp32 columns),
     so every load is a 16-byte vector; rows are stacked until a program streams ~8192
-    elements. Chosen from benchmarks/results/*-tune.json (H200, 8192 x 16384 bf16): this
-    shape gave the lowest forward and backward times of the seven candidates swept.
+    elements. For strided operands (contiguous ones take FLAT_BLOCK); H200, 8192 x 16384
+    bf16 halves of one [M, 2N] tensor: within 1% of the best of four candidates
+    (benchmarks/results/*-tune.json), and the best backward of seven in session 1's sweep.
     """
     vec = 16 // elem_bytes
     block_n = min(triton.next_power_of_2(max(n_cols, 1)), vec * 32 * 8)
@@ -205,9 +206,9 @@ def _elementwise_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
 
 
 # Contiguous operands are processed as one long row in 1024-element tiles with 4 warps
-# (two 16-byte vectors per thread in 16-bit dtypes): 0.189 ms forward on 8192 x 16384 bf16
-# against 0.207 ms for the best row tile (H200 sweep, benchmarks/NOTES.md). The interpreter
-# pays per program, not per element: larger tiles there.
+# (two 16-byte vectors per thread in 16-bit dtypes): 0.189 ms forward on 8192 x 16384 bf16,
+# copy rate, against 0.191-0.194 ms for row tiles (H200, benchmarks/results/*-tune.json).
+# The interpreter pays per program, not per element: larger tiles there.
 FLAT_BLOCK, FLAT_WARPS = (16384 if INTERPRETED else 1024), 4
 
 

@@ -408,7 +408,7 @@ _STAGES_THAT_FIT: dict[tuple, int] = {}
 
 def _launch_fitting(kernel, grid, args, flags: dict) -> None:
     """Launch with the table's num_stages, or the most that compile within shared memory."""
-    key = tuple(sorted(flags.items()))
+    key = tuple(flags.items())
     stages = _STAGES_THAT_FIT.get(key, flags["num_stages"])
     while True:
         try:
@@ -442,10 +442,11 @@ def _tma_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     itself or ``t.T``; None when neither is (TMA needs a 16-byte-aligned base and row stride)."""
     if t.data_ptr() % 16:
         return None
-    for view, transposed in ((t, False), (t.t(), True)):
-        row_bytes = view.stride(0) * view.element_size()
-        if view.stride(1) == 1 and row_bytes > 0 and row_bytes % 16 == 0:
-            return view, transposed
+    (s0, s1), size = t.stride(), t.element_size()
+    if s1 == 1 and s0 > 0 and s0 * size % 16 == 0:
+        return t, False
+    if s0 == 1 and s1 > 0 and s1 * size % 16 == 0:
+        return t.t(), True
     return None
 
 
@@ -477,10 +478,11 @@ def _tma_descriptors(a, b1, b2, z, c, block_m, block_n, block_k):
     """(descriptors for A, B, Z, C; A_T, B_T, UP_FIRST) for the TMA kernel, or None when an
     operand is not TMA-compatible, A and Z disagree on orientation, or the dual GEMM's
     weights cannot share one descriptor."""
-    ops = [_tma_operand(t) for t in (a, b1, z, c)]
-    if None in ops:
+    ops = [_tma_operand(t) for t in (a, b1, c)]
+    z_op = ops[0] if z is a else _tma_operand(z)
+    if None in ops or z_op is None:
         return None
-    (a_v, a_t), (b_v, b_t), (z_v, z_t), (c_v, c_t) = ops
+    (a_v, a_t), (b_v, b_t), (c_v, c_t), (z_v, z_t) = *ops, z_op
     if z_t != a_t or c_t:
         return None
     a_block = [block_k, block_m] if a_t else [block_m, block_k]
@@ -494,13 +496,10 @@ def _tma_descriptors(a, b1, b2, z, c, block_m, block_n, block_k):
         b_desc = TensorDescriptor.from_tensor(
             b_v, [block_k, block_n] if b_t else [block_n, block_k]
         )
-    descs = (
-        TensorDescriptor.from_tensor(a_v, a_block),
-        b_desc,
-        TensorDescriptor.from_tensor(z_v, a_block),
-        TensorDescriptor.from_tensor(c_v, [block_m, block_n]),
-    )
-    return descs, a_t, b_t, up_first
+    a_desc = TensorDescriptor.from_tensor(a_v, a_block)
+    z_desc = a_desc if z is a else TensorDescriptor.from_tensor(z_v, a_block)
+    c_desc = TensorDescriptor.from_tensor(c_v, [block_m, block_n])
+    return (a_desc, b_desc, z_desc, c_desc), a_t, b_t, up_first
 
 
 def gemm(

@@ -9,10 +9,11 @@ calls no other method of its class (module-level helpers only).
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .gemm import dual_gemm_is_fast, tma_applies
-from .ops import _needs_grad, geglu, geglu_linear, linear
+from .ops import _needs_grad, geglu, geglu_linear, kernels_run_on, linear
 
 # transformers' tanh-GeLU modules (ACT2FN "gelu_pytorch_tanh", "gelu_python_tanh",
 # "gelu_new", "gelu_fast") all compute 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -45,6 +46,22 @@ def gelu_approximation(
     )
 
 
+def _kernels_run_on(x: torch.Tensor, layer: str) -> bool:
+    """Whether our kernels run on x's device. If not (e.g. a model kernelized for CUDA, then
+    moved to the CPU of a process without the Triton interpreter, or to MPS), say so: the
+    layer then runs the original module's forward with PyTorch, kernels' own fallback."""
+    if kernels_run_on(x.device):
+        return True
+    warnings.warn(
+        f"fused-geglu {layer}: Triton kernels cannot run on {x.device.type} tensors in this "
+        f"process (the CPU needs TRITON_INTERPRET=1 before triton is imported); running "
+        f"the original forward with PyTorch",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return False
+
+
 class GeGLUMLP(nn.Module):
     """``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Gemma, Gemma2, Gemma3 and any MLP
     with ``gate_proj``/``up_proj``/``down_proj`` and a GeLU-family ``act_fn``."""
@@ -58,6 +75,8 @@ class GeGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _kernels_run_on(x, "GeGLUMLP"):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         approximate = gelu_approximation(self.act_fn)
         h, fused = _geglu_two_projections(x, self.gate_proj, self.up_proj, approximate)
         return _project_down(h, self.down_proj, fused)
@@ -73,6 +92,8 @@ class Linear(nn.Module):
     can_torch_compile = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not _kernels_run_on(input, "Linear"):
+            return F.linear(input, self.weight, self.bias)
         return linear(input, self.weight, self.bias)
 
 
@@ -103,8 +124,14 @@ def _dual_gemm_applies(x: torch.Tensor, *projections: nn.Module) -> bool:
 
 def _project_down(h: torch.Tensor, proj: nn.Module, fused: bool) -> torch.Tensor:
     """``proj(h)``; after our dual GEMM, past decode sizes, our TMA GEMM instead: the MLP is
-    then two kernels (cuBLAS adds a memset there) and 2% faster (H200, 8192 tokens)."""
-    if fused and _plain_linear(proj) and tma_applies(h.shape[:-1].numel(), h):
+    then two kernels (cuBLAS adds a memset there) and 2% faster (H200, 8192 tokens). Not
+    under torch.compile: a branch on the token count would recompile at 64 tokens."""
+    if (
+        fused
+        and not torch.compiler.is_compiling()
+        and _plain_linear(proj)
+        and tma_applies(h.shape[:-1].numel(), h)
+    ):
         return linear(h, proj.weight, proj.bias)
     return proj(h)
 
@@ -167,12 +194,16 @@ class T5GeGLUDense(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states):
-        approximate = gelu_approximation(
-            self.act, "config.feed_forward_proj / config.dense_act_fn"
-        )
-        hidden_states, fused = _geglu_two_projections(
-            hidden_states, self.wi_0, self.wi_1, approximate
-        )
+        if _kernels_run_on(hidden_states, "T5GeGLUDense"):
+            approximate = gelu_approximation(
+                self.act, "config.feed_forward_proj / config.dense_act_fn"
+            )
+            hidden_states, fused = _geglu_two_projections(
+                hidden_states, self.wi_0, self.wi_1, approximate
+            )
+        else:
+            gate = self.act(self.wi_0(hidden_states))
+            hidden_states, fused = gate * self.wi_1(hidden_states), False
         hidden_states = self.dropout(hidden_states)
         # The original's condition, verbatim (transformers issue 20287).
         if (
@@ -202,6 +233,9 @@ class ModernBertGeGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not _kernels_run_on(hidden_states, "ModernBertGeGLUMLP"):
+            input, gate = self.Wi(hidden_states).chunk(2, dim=-1)
+            return self.Wo(self.drop(self.act(input) * gate))
         approximate = gelu_approximation(self.act, "config.hidden_activation")
         h, fused = _geglu_fused_projection(hidden_states, self.Wi, 0, approximate)
         return _project_down(self.drop(h), self.Wo, fused)
@@ -233,4 +267,7 @@ class GEGLU(nn.Module):
     def forward(self, hidden_states, *args, **kwargs) -> torch.Tensor:
         if len(args) > 0 or kwargs.get("scale", None) is not None:
             warnings.warn(_SCALE_DEPRECATION, FutureWarning)
+        if not _kernels_run_on(hidden_states, "GEGLU"):
+            hidden_states, gate = self.proj(hidden_states).chunk(2, dim=-1)
+            return hidden_states * F.gelu(gate)
         return _geglu_fused_projection(hidden_states, self.proj, 1, "none")[0]

@@ -6,6 +6,8 @@ where differentiable, an autograd formula, so the functions run under
 build's ``_ops.py`` and is unique per build, as kernel-builder's is.
 """
 
+import math
+
 import torch
 
 from ._ops import add_op_namespace_prefix
@@ -75,6 +77,11 @@ def check_tensors(op: str, **tensors: torch.Tensor) -> None:
             f"{op}: CPU tensors need the Triton interpreter (set TRITON_INTERPRET=1 before "
             f"importing triton) or a GPU ({_describe(tensors)})"
         )
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the Triton kernels run on ``device`` (the CPU only under the interpreter)."""
+    return device.type in DEVICES and (device.type != "cpu" or INTERPRETED)
 
 
 def _check_approximate(op: str, approximate: str) -> None:
@@ -309,7 +316,9 @@ _linear = torch.library.custom_op(
 
 @_linear.register_fake
 def _(x, weight, bias, activation, store_preact):
-    m = x.shape[:-1].numel()
+    m = math.prod(
+        x.shape[:-1]
+    )  # symbolic under torch.compile (Size.numel() specialises)
     preact = _empty(x, m, weight.shape[0]) if store_preact else _empty(x, 0)
     return _empty(x, *x.shape[:-1], weight.shape[0]), preact
 
@@ -486,7 +495,7 @@ _geglu_linear = torch.library.custom_op(
 
 @_geglu_linear.register_fake
 def _(x, w_gate, w_up, b_gate, b_up, approximate, store_preact):
-    m, n = x.shape[:-1].numel(), w_gate.shape[0]
+    m, n = math.prod(x.shape[:-1]), w_gate.shape[0]
     pre = (
         (_empty(x, m, n), _empty(x, m, n))
         if store_preact

@@ -253,10 +253,63 @@ def mlp(ours):
     return result
 
 
+def families(ours, device="cuda", dtype=torch.bfloat16, scale=1, timer=None):
+    """Each family's feed-forward at one real model size, inference: the eager module
+    against our layer's forward on that module (what kernelize installs). ``scale`` divides
+    every size and ``timer`` replaces do_bench (a CPU smoke run)."""
+    from diffusers.models.activations import GEGLU
+    from transformers import GemmaConfig, ModernBertConfig, T5Config
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+    from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
+    from transformers.models.t5.modeling_t5 import T5DenseGatedActDense
+
+    def s(n):
+        return max(n // scale, 1)
+
+    cases = {  # name: (module, our layer, tokens, hidden)
+        "Gemma-2B MLP": (
+            GemmaMLP(GemmaConfig(hidden_size=s(2048), intermediate_size=s(16384), hidden_act="gelu_pytorch_tanh")),
+            ours.layers.GeGLUMLP, 8192, s(2048),
+        ),
+        "T5 v1.1 base (Flan-T5 base) DenseGatedActDense": (
+            T5DenseGatedActDense(T5Config(d_model=s(768), d_ff=s(2048), feed_forward_proj="gated-gelu")),
+            ours.layers.T5GeGLUDense, 8192, s(768),
+        ),
+        "ModernBERT base MLP": (
+            ModernBertMLP(ModernBertConfig(hidden_size=s(768), intermediate_size=s(1152))),
+            ours.layers.ModernBertGeGLUMLP, 8192, s(768),
+        ),
+        "Stable Diffusion 1.5 GEGLU (dim 640, 32x32 latents x 2)": (
+            GEGLU(s(640), s(2560)), ours.layers.GEGLU, 2048, s(640),
+        ),
+    }  # fmt: skip
+    timer = timer or bench
+    result = {}
+    for name, (module, layer, tokens, hidden) in cases.items():
+        module = module.to(device, dtype).eval()
+        x = torch.randn(s(tokens), hidden, dtype=dtype, device=device)
+        with torch.no_grad():
+            eager_out, ours_out = module(x), layer.forward(module, x)
+            eager_ms = timer(lambda m=module: m(x))
+            ours_ms = timer(lambda m=module, layer=layer: layer.forward(m, x))
+        result[name] = {
+            "tokens": s(tokens),
+            "hidden": hidden,
+            "eager_ms": eager_ms,
+            "ours_ms": ours_ms,
+            "speedup": eager_ms / ours_ms,
+            "max_abs_diff": (ours_out.float() - eager_out.float()).abs().max().item(),
+        }
+        print(name, result[name], flush=True)
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--only", nargs="*", default=["activation", "linear", "mlp"])
+    parser.add_argument(
+        "--only", nargs="*", default=["activation", "linear", "mlp", "families"]
+    )
     args = parser.parse_args()
     ours = load_ours()
     import transformers
@@ -287,6 +340,7 @@ def main():
             result["ceilings"]["copy_TBps"],
         ),
         "mlp": lambda: mlp(ours),
+        "families": lambda: families(ours),
     }
     for name in args.only:
         result[name] = sections[name]()

@@ -133,6 +133,15 @@ def compare_section(path: Path, result: dict) -> list[str]:
         f"MLP forward+backward at {FWD_BWD_TOKENS} tokens (peak extra memory in "
         f"parentheses): " + ", ".join(parts) + "."
     )
+    if "families" in result:
+        lines += ["Each family's feed-forward, inference, forward ms:", ""]
+        rows = [
+            [name, f"{r['tokens']} x {r['hidden']}", ms(r["eager_ms"]), ms(r["ours_ms"]),
+             f"{r['speedup']:.2f}x"]
+            for name, r in result["families"].items()
+        ]  # fmt: skip
+        head = ["module", "tokens x hidden", "eager", "fused-geglu layer", "speed-up"]
+        lines += table(head, rows) + [""]
     return lines
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gemm import dual_gemm_is_fast, tma_applies
-from .ops import _needs_grad, geglu, geglu_linear, kernels_run_on, linear
+from .ops import geglu, geglu_linear, kernels_run_on, linear
 
 # transformers' tanh-GeLU modules (ACT2FN "gelu_pytorch_tanh", "gelu_python_tanh",
 # "gelu_new", "gelu_fast") all compute 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -114,8 +114,12 @@ def _dual_gemm_applies(x: torch.Tensor, *projections: nn.Module) -> bool:
     and lighter), plain 16-bit ``nn.Linear`` weights of x's dtype, no autocast, a GPU with
     TMA. On the H200 it beats cuBLAS + a fused activation at 1 to 8192 tokens
     (benchmarks/results/*-compare.json)."""
+    training = torch.is_grad_enabled() and (
+        x.requires_grad
+        or any(p.requires_grad for m in projections for p in m.parameters())
+    )
     return (
-        not _needs_grad(x, *(p for m in projections for p in m.parameters()))
+        not training
         and dual_gemm_is_fast(x)
         and all(_plain_linear(p) and p.weight.dtype == x.dtype for p in projections)
         and not torch.is_autocast_enabled(x.device.type)

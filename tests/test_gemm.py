@@ -108,6 +108,33 @@ def test_tma_and_portable_paths(fused_geglu, device, monkeypatch, aligned):
         assert launched[2] == "_gemm_kernel"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mnk",
+    [(8192, 16384, 2048), (8192, 2048, 16384), (4096, 4096, 4096), (8192, 4096, 4096)],
+)
+def test_benchmarked_shapes_bf16(fused_geglu, mnk):
+    """The shapes of the benchmark, in bf16 through the TMA kernel, with bias and the tanh
+    epilogue (the 128x128 variants that store pre-activations and apply act' in the
+    backward prologue), against float64 as closely as eager."""
+    m, n, k = mnk
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+    b = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    ours, ours_g = run_and_grads(
+        lambda *a: fused_geglu.linear(*a, "gelu_tanh"), x, w, b, dy
+    )
+    args64 = (t.double() for t in (x, w, b, dy))
+    ref, ref_g = run_and_grads(lambda *a: torch_linear(*a, "gelu_tanh"), *args64)
+    eager, eager_g = run_and_grads(
+        lambda *a: torch_linear(*a, "gelu_tanh"), x, w, b, dy
+    )
+    assert_close_to_ref(ours, ref, eager)
+    for o, r, e in zip(ours_g, ref_g, eager_g):
+        assert_close_to_ref(o, r, e)
+
+
 def test_3d_and_strided_inputs(fused_geglu, device):
     """Leading dims, a column-sliced x and a transposed weight view: read through strides."""
     big = torch.randn(3, 5, 200, device=device)

@@ -731,3 +731,61 @@ def test_no_risky_calls_in_package():
         if forbidden.search(line)
     ]
     assert not hits, hits
+
+
+# --- 6. Huge tensors (GPU) -------------------------------------------------------------
+# More than 2^31 elements: every offset past int32's range must be formed in int64.
+
+HUGE_ROWS = 2**31 // 2048 + 64  # rows of 2048 columns: 2^31 + 131072 elements
+
+
+@pytest.mark.gpu
+def test_activation_past_2_31_elements(fused_geglu):
+    """Forward and backward of a [2^31 / 2048 + 64, 2048] bf16 GeGLU (three 4.3 GB tensors);
+    the last rows, past offset 2^31, against float64 as closely as eager."""
+    from reference import assert_close_to_ref, geglu_ref
+
+    g, u, dy = (torch.randn(HUGE_ROWS, 2048, dtype=torch.bfloat16, device="cuda") for _ in range(3))  # fmt: skip
+    g.requires_grad_(), u.requires_grad_()
+    out = fused_geglu.geglu(g, u, "tanh")
+    dg, du = torch.autograd.grad(out, (g, u), dy)
+    tail = slice(-64, None)
+    gt, ut = (t[tail].detach().double().requires_grad_() for t in (g, u))
+    ge, ue = (t[tail].detach().clone().requires_grad_() for t in (g, u))
+    ref, eager = geglu_ref(gt, ut, "tanh"), F.gelu(ge, approximate="tanh") * ue
+    assert_close_to_ref(out[tail], ref, eager)
+    for ours, r, e in zip(
+        (dg[tail], du[tail]),
+        torch.autograd.grad(ref, (gt, ut), dy[tail].double()),
+        torch.autograd.grad(eager, (ge, ue), dy[tail]),
+    ):
+        assert_close_to_ref(ours, r, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operand", ["x", "weight"])
+def test_linear_past_2_31_elements(fused_geglu, operand):
+    """A 4.3 GB operand: x with 2^31 / 2048 + 64 rows (the TMA kernel, forward and
+    backward), or a weight with that many out-features at 16 tokens (the portable kernel).
+    Rows past offset 2^31 against float64 as closely as eager."""
+    from reference import assert_close_to_ref
+
+    big = torch.randn(HUGE_ROWS, 2048, dtype=torch.bfloat16, device="cuda")
+    small = torch.randn(16, 2048, dtype=torch.bfloat16, device="cuda") / 2048**0.5
+    if operand == "x":
+        x, w = big, small
+        y = fused_geglu.linear(x.requires_grad_(), w)
+        dy = torch.randn_like(y)
+        dx = torch.autograd.grad(y, x, dy)[0]
+        rows = slice(-64, None)
+        assert_close_to_ref(
+            y[rows], F.linear(x[rows].double(), w.double()), F.linear(x[rows], w)
+        )
+        assert_close_to_ref(dx[rows], dy[rows].double() @ w.double(), dy[rows] @ w)
+    else:
+        x, w = small * 2048**0.5, big / 2048**0.5
+        y = fused_geglu.linear(x, w)
+        cols = slice(-64, None)
+        assert_close_to_ref(
+            y[:, cols], F.linear(x.double(), w[cols].double()), F.linear(x, w[cols])
+        )

@@ -63,7 +63,7 @@ STAGES = {
     "mlp_eager": "eager GeGLU MLP",
     "mlp_compiled": "torch.compile GeGLU MLP",
     "mlp_liger": "Liger GEGLU MLP",
-    "mlp_ours_fused_act": "projections + fused geglu (layers.GeGLUMLP)",
+    "mlp_ours_fused_act": "layers.GeGLUMLP (16-bit GPU inference: dual GEMM; else projections + fused geglu)",
     "mlp_ours_dual_gemm": "geglu_mlp (dual GEMM)",
 }
 # [tokens, intermediate] tensors that each MLP writes to memory and reads back: eager has

@@ -32,6 +32,12 @@ GELU_TANH_K1 = tl.constexpr(0.044715)
 INTERPRETED = triton.knobs.runtime.interpret
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (triton.cdiv is a constexpr function in recent Triton,
+    whose Python call costs microseconds per launch)."""
+    return -(-a // b)
+
+
 @triton.jit
 def _sigmoid_2x(u):
     # sigmoid(2u) = (1 + tanh(u)) / 2, without the cancellation of 1 + tanh(u) for u << 0;
@@ -200,7 +206,9 @@ def _elementwise_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
     (benchmarks/results/*-tune.json), and the best backward of seven in session 1's sweep.
     """
     vec = 16 // elem_bytes
-    block_n = min(triton.next_power_of_2(max(n_cols, 1)), vec * 32 * 8)
+    block_n = min(
+        1 << (max(n_cols, 1) - 1).bit_length(), vec * 32 * 8
+    )  # next power of 2
     block_m = max(1, 8192 // block_n)
     return block_m, block_n, 8
 
@@ -224,7 +232,7 @@ def _elementwise_launch(*rows: torch.Tensor) -> tuple[tuple[int], dict]:
     else:
         block_m, block_n, num_warps = _elementwise_config(N, rows[0].element_size())
         strides = [t.stride() for t in rows]
-    grid_m, grid_n = triton.cdiv(M, block_m), triton.cdiv(N, block_n)
+    grid_m, grid_n = cdiv(M, block_m), cdiv(N, block_n)
     # Largest offset a program can form (masked lanes included) against int32's range.
     reach = max(
         grid_m * block_m * abs(sm) + grid_n * block_n * abs(sn) for sm, sn in strides

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .activation import INTERPRETED, geglu_tile, gelu, gelu_grad
+from .activation import INTERPRETED, cdiv, geglu_tile, gelu, gelu_grad
 
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2}
 
@@ -312,9 +312,10 @@ def _gemm_config(
     M <= 64 (decode): weight streaming; one row tile holds every token so each weight
     tile is read once; narrow N tiles for narrow outputs so that there are more programs
     than SMs, long K tiles to keep weight loads in flight.
-    TMA (Hopper, 16-bit, M > 64): 128x256x64 tiles, 8 warps, 3 stages (4 overflow shared
-    memory); dual: a 128x(2x128) accumulator. ``extra_tiles`` (the backward's A_GRAD_ACT
-    prologue reads Z, ADD_C reads C): 128x128 tiles, so that 3 stages fit 227 KB.
+    TMA (Hopper/Blackwell, 16-bit, M > 64): 128x256x64 tiles, 8 warps, 3 stages (4
+    overflow shared memory); dual: a 128x(2x128) accumulator. ``extra_tiles`` (the
+    backward's A_GRAD_ACT prologue reads Z, ADD_C reads C, a single GEMM stores its
+    pre-activation): 128x128 tiles, chosen to fit 3 stages in 227 KB, not swept.
     Portable: 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages
     (dual). fp32 operands halve BLOCK_K to fit shared memory.
     """
@@ -539,7 +540,7 @@ def gemm(
     extra_tiles = grad_act is not None or add_c or (preact1 is not None and not dual)
     cfg = _gemm_config(M, N, K, a.dtype, dual, tma, extra_tiles)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    tiles = cdiv(M, block_m) * cdiv(N, block_n)
     descs = (
         _tma_descriptors(a, b1, b2, z, c, block_m, block_n, block_k) if tma else None
     )
@@ -586,7 +587,7 @@ def gemm(
     if tma:  # Hopper, but an operand TMA cannot describe: the portable tiles
         flags.update(_gemm_config(M, N, K, a.dtype, dual, False, extra_tiles))
         block_m, block_n = flags["BLOCK_M"], flags["BLOCK_N"]
-        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+        tiles = cdiv(M, block_m) * cdiv(N, block_n)
     _gemm_kernel[(tiles,)](
         a, b1, b2_, bias1_, bias2_, c, pre1, pre2, z, sum_a_, M, N, K, *a.stride(),
         *b1.stride(), *b2_.stride(), *c.stride(), *z.stride(), *bias_strides,

@@ -9,11 +9,47 @@ HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Prepended by run_python(no_network=True): any connection attempt raises.
+_NO_NETWORK = """
+import socket
+
+def _refuse(*args, **kwargs):
+    raise OSError("network access attempted")
+
+socket.socket.connect = socket.socket.connect_ex = _refuse
+socket.getaddrinfo = socket.create_connection = _refuse
+"""
+
+
+def run_python(
+    code: str, *, no_network: bool = False, **env: str | None
+) -> subprocess.CompletedProcess:
+    """``code`` (dedented) in a fresh interpreter; ``env`` sets variables, or removes those
+    given None. Its exit status, stdout and stderr are the caller's to check."""
+    environ = dict(os.environ)
+    for name, value in env.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    code = (_NO_NETWORK if no_network else "") + textwrap.dedent(code)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
 
 
 def pytest_configure(config):

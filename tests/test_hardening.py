@@ -10,17 +10,14 @@ Known discrepancies are strict xfails, so that a fix shows up as a failure to up
 """
 
 import math
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HAS_GPU, ROOT
+from conftest import HAS_GPU, ROOT, run_python
 from reference import INTERPRETED_BF16_SLACK
 from torch import nn
 
@@ -199,15 +196,7 @@ def test_cpu_without_interpreter_raises():
             else:
                 print(name, "-> no error")
     """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_python(code, TRITON_INTERPRET=None)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 4, run.stdout

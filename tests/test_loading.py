@@ -5,11 +5,9 @@ import ast
 import importlib.util
 import inspect
 import json
-import os
 import socket
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -18,7 +16,7 @@ import kernels.load
 import pytest
 import tomllib
 import torch
-from conftest import ROOT
+from conftest import ROOT, run_python
 from kernels._rust import Backend
 from kernels.layer.layer import _validate_layer
 from reference import geglu_ref, rel_err
@@ -218,16 +216,7 @@ def test_layer_repository_version_needs_the_hub(local_kernels, monkeypatch, tmp_
 
 def test_loading_makes_no_network_access(device):
     """A fresh interpreter in which any connection raises loads the build and runs it."""
-    script = textwrap.dedent(
-        f"""
-        import socket
-
-        def refuse(*args, **kwargs):
-            raise OSError("network access attempted")
-
-        socket.socket.connect = socket.socket.connect_ex = refuse
-        socket.getaddrinfo = socket.create_connection = refuse
-
+    script = f"""
         from pathlib import Path
 
         import torch
@@ -236,15 +225,6 @@ def test_loading_makes_no_network_access(device):
         module = get_local_kernel(Path({str(ROOT)!r}))
         x = torch.randn(4, 8, device={device!r})
         assert torch.isfinite(module.geglu(x, x)).all()
-        """
-    )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("LOCAL_KERNELS", None)
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    """
+    result = run_python(script, no_network=True, HF_HUB_OFFLINE="1", LOCAL_KERNELS=None)
     assert result.returncode == 0, result.stderr

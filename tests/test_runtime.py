@@ -2,15 +2,12 @@
 device the kernels do not run on, and (GPU) CUDA graphs, threads with streams, memory."""
 
 import copy
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, run_python
 from kernels import Mode
 from test_models import TINY, kernelized, mlps, tiny_model
 
@@ -118,16 +115,7 @@ def test_unsupported_device_falls_back_to_the_original_forward():
         messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
         print(same, len(messages), messages[0] if messages else "")
     """)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    run = subprocess.run(
-        [sys.executable, "-c", code],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_python(code, TRITON_INTERPRET=None, CUDA_VISIBLE_DEVICES="")
     assert run.returncode == 0, run.stderr[-3000:]
     same, count, message = run.stdout.strip().splitlines()[-1].split(" ", 2)
     assert same == "True"

@@ -2,16 +2,13 @@
 states, the calls made to a recording stand-in for HfApi, and ``--dry-run`` end to end."""
 
 import json
-import os
 import shutil
 import socket
-import subprocess
 import sys
-import textwrap
 
 import httpx2
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_python
 from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.hf_api import GitRefInfo, GitRefs, RepoFile, RepoFolder
 
@@ -281,28 +278,14 @@ def test_checks_catch_a_broken_build(built, tmp_path):
 
 def run_upload(*args):
     """scripts/upload.py in a fresh interpreter in which every connection raises."""
-    script = textwrap.dedent(
-        f"""
-        import runpy, socket, sys
+    script = f"""
+        import runpy, sys
 
-        def refuse(*args, **kwargs):
-            raise OSError("network access attempted")
-
-        socket.socket.connect = socket.socket.connect_ex = refuse
-        socket.getaddrinfo = socket.create_connection = refuse
         sys.path.insert(0, {str(ROOT / "scripts")!r})
         sys.argv = ["upload.py", *{list(args)!r}]
         runpy.run_path({str(ROOT / "scripts" / "upload.py")!r}, run_name="__main__")
-        """
-    )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    """
+    result = run_python(script, no_network=True, HF_HUB_OFFLINE="1")
     assert result.returncode == 0, result.stderr + result.stdout
     return result.stdout
 

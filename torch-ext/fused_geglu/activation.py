@@ -291,6 +291,7 @@ def geglu_bwd(
         return dgate, dup
     d, g, u = as_rows(dout), as_rows(gate), as_rows(up)
     M, N = g.shape
+    # dgate is passed for the flat/int64 decisions only: the outputs are contiguous.
     grid, (m, n, strides), meta = _elementwise_launch(d, g, u, dgate.view(M, N))
     _geglu_bwd_kernel[grid](
         d, g, u, dgate, dup, m, n, *strides[:6], APPROX_TANH=approximate == "tanh", **meta

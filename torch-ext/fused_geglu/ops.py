@@ -130,18 +130,19 @@ def _traced(t: torch.Tensor) -> bool:
     )
 
 
-def _needs_grad(*args) -> bool:
-    """Whether autograd records a call on ``args`` (tensors among other arguments)."""
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records a call on ``tensors`` (None for an absent bias)."""
     return torch.is_grad_enabled() and any(
-        isinstance(a, torch.Tensor) and a.requires_grad for a in args
+        t is not None and t.requires_grad for t in tensors
     )
 
 
-def _call(op, eager, *args):
+def _call(op, eager, needs_grad: bool, *args):
+    """``op(*args)``: the custom op when traced; else the eager Function, or with nothing
+    to differentiate (``needs_grad`` False: inference) the implementation alone."""
     if _traced(args[0]):
         return op(*args)
-    # Nothing to differentiate (inference): the implementation without autograd.
-    run = eager.apply if _needs_grad(*args) else eager.impl
+    run = eager.apply if needs_grad else eager.impl
     if torch.autograd._profiler_enabled():  # profiles still name the op
         with torch.profiler.record_function(op._qualname):
             return run(*args)
@@ -223,7 +224,7 @@ def geglu(
         raise ValueError(
             f"geglu: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}"
         )
-    return _call(_geglu, _geglu_eager, gate, up, approximate)
+    return _call(_geglu, _geglu_eager, _needs_grad(gate, up), gate, up, approximate)
 
 
 def _gelu_and_mul_impl(out: torch.Tensor, x: torch.Tensor, approximate: str) -> None:
@@ -421,6 +422,10 @@ def _check_linear_shapes(
             f"{op}: {xn}'s last dim must equal {wn}'s in_features (dim 1), got {xn} "
             f"{tuple(x.shape)} and {wn} {tuple(weight.shape)}"
         )
+    _check_bias(op, bias, weight, bn, wn)
+
+
+def _check_bias(op, bias, weight, bn="bias", wn="weight") -> None:
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(
             f"{op}: {bn} must have shape ({weight.shape[0]},), {wn}'s out_features, got "
@@ -456,8 +461,10 @@ def linear(
 
 def _linear_checked(x, weight, bias, activation):
     """``linear`` once its arguments are known to be valid."""
-    store_preact = activation is not None and _needs_grad(x, weight, bias)
-    return _call(_linear, _linear_eager, x, weight, bias, activation, store_preact)[0]
+    grad = _needs_grad(x, weight, bias)
+    store_preact = grad and activation is not None
+    args = (x, weight, bias, activation, store_preact)
+    return _call(_linear, _linear_eager, grad, *args)[0]
 
 
 # --- GeGLU dual GEMM --------------------------------------------------------------------
@@ -633,7 +640,7 @@ def _geglu_linear_checked(x, w_gate, w_up, b_gate, b_up, approximate):
     """``geglu_linear`` once its arguments are known to be valid."""
     store_preact = _needs_grad(x, w_gate, w_up, b_gate, b_up)
     args = (x, w_gate, w_up, b_gate, b_up, approximate, store_preact)
-    return _call(_geglu_linear, _geglu_linear_eager, *args)[0]
+    return _call(_geglu_linear, _geglu_linear_eager, store_preact, *args)[0]
 
 
 def geglu_mlp(
@@ -658,11 +665,7 @@ def geglu_mlp(
             f"geglu_mlp: w_down must be 2-D [hidden_out, intermediate] with intermediate = "
             f"w_gate.shape[0] = {inter}, got w_down of shape {tuple(w_down.shape)}"
         )
-    if b_down is not None and tuple(b_down.shape) != (w_down.shape[0],):
-        raise ValueError(
-            f"geglu_mlp: b_down must have shape ({w_down.shape[0]},), w_down's out_features, "
-            f"got {tuple(b_down.shape)}"
-        )
+    _check_bias("geglu_mlp", b_down, w_down, "b_down", "w_down")
     # Everything is checked above: skip the two functions' own checks on this path.
     h = _geglu_linear_checked(x, w_gate, w_up, b_gate, b_up, approximate)
     return _linear_checked(h, w_down, b_down, None)

@@ -253,10 +253,15 @@ def mlp(ours):
     return result
 
 
-def families(ours, device="cuda", dtype=torch.bfloat16, scale=1, timer=None):
+def families(
+    ours, device="cuda", dtype=torch.bfloat16, scale=1, timer=None, host_timer=None
+):
     """Each family's feed-forward at one real model size, inference: the eager module
-    against our layer's forward on that module (what kernelize installs). ``scale`` divides
-    every size and ``timer`` replaces do_bench (a CPU smoke run)."""
+    against our layer's forward on that module (what kernelize installs). GPU time by
+    CUDA-graph replay (a lone small layer called in a loop measures its host time, which
+    a model's forward hides behind the GPU's queue), host time per call beside it.
+    ``scale`` divides every size; ``timer`` and ``host_timer`` replace the GPU timers
+    (a CPU smoke run)."""
     from diffusers.models.activations import GEGLU
     from transformers import GemmaConfig, ModernBertConfig, T5Config
     from transformers.models.gemma.modeling_gemma import GemmaMLP
@@ -283,21 +288,30 @@ def families(ours, device="cuda", dtype=torch.bfloat16, scale=1, timer=None):
             GEGLU(s(640), s(2560)), ours.layers.GEGLU, 2048, s(640),
         ),
     }  # fmt: skip
-    timer = timer or bench
+    timer = timer or (lambda fn: bench(fn, graph=True))
+    # 20 calls: too few to fill the GPU's launch queue, which would stall the host loop
+    # behind the GPU at large sizes and time the GPU instead.
+    host_timer = host_timer or (lambda fn: host_us(fn, n=20))
     result = {}
     for name, (module, layer, tokens, hidden) in cases.items():
         module = module.to(device, dtype).eval()
         x = torch.randn(s(tokens), hidden, dtype=dtype, device=device)
         with torch.no_grad():
             eager_out, ours_out = module(x), layer.forward(module, x)
-            eager_ms = timer(lambda m=module: m(x))
-            ours_ms = timer(lambda m=module, layer=layer: layer.forward(m, x))
+            eager, ours_fn = (
+                (lambda m=module: m(x)),
+                (lambda m=module, layer=layer: layer.forward(m, x)),
+            )
+            eager_ms, ours_ms = timer(eager), timer(ours_fn)
+            eager_host, ours_host = host_timer(eager), host_timer(ours_fn)
         result[name] = {
             "tokens": s(tokens),
             "hidden": hidden,
             "eager_ms": eager_ms,
             "ours_ms": ours_ms,
             "speedup": eager_ms / ours_ms,
+            "eager_host_us": eager_host,
+            "ours_host_us": ours_host,
             "max_abs_diff": (ours_out.float() - eager_out.float()).abs().max().item(),
         }
         print(name, result[name], flush=True)

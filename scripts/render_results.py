@@ -1,6 +1,7 @@
 """Regenerate README.md's results (between the `<!-- results:start -->` and
 `<!-- results:end -->` markers) from the committed JSON in benchmarks/results/: the newest
-*-compare.json (benchmarks/compare.py) and, when one is committed, the newest
+*-compare.json (benchmarks/compare.py) and, when committed, the newest *-families.json
+(compare.py --only families), *-distributed.json (benchmarks/distributed.py) and
 *-report.json (scripts/report.py). `make results` runs it; --check only reports drift.
 
 Every number is the JSON's, rounded one way: milliseconds to 3 decimals, or 3 significant
@@ -133,16 +134,53 @@ def compare_section(path: Path, result: dict) -> list[str]:
         f"MLP forward+backward at {FWD_BWD_TOKENS} tokens (peak extra memory in "
         f"parentheses): " + ", ".join(parts) + "."
     )
-    if "families" in result:
-        lines += ["Each family's feed-forward, inference, forward ms:", ""]
-        rows = [
-            [name, f"{r['tokens']} x {r['hidden']}", ms(r["eager_ms"]), ms(r["ours_ms"]),
-             f"{r['speedup']:.2f}x"]
-            for name, r in result["families"].items()
-        ]  # fmt: skip
-        head = ["module", "tokens x hidden", "eager", "fused-geglu layer", "speed-up"]
-        lines += table(head, rows) + [""]
     return lines
+
+
+def families_section(path: Path, result: dict) -> list[str]:
+    """compare.py --only families: each family's layer against its eager module."""
+    env = result["env"]
+    lines = paragraph(
+        f"Each family's feed-forward, inference, bf16, {env['gpu']}, {env['date']} (torch "
+        f"{env['torch']}, Triton {env['triton']}, transformers {env['transformers']}): GPU "
+        f"time by CUDA-graph replay, host time per call beside it. Source: "
+        f"`{path.relative_to(ROOT)}`, made by `python benchmarks/compare.py --only families`."
+    )
+    rows = [
+        [name, f"{r['tokens']} x {r['hidden']}", ms(r["eager_ms"]), ms(r["ours_ms"]),
+         f"{r['speedup']:.2f}x", f"{r['eager_host_us']:.0f}", f"{r['ours_host_us']:.0f}"]
+        for name, r in result["families"].items()
+    ]  # fmt: skip
+    head = ["module", "tokens x hidden", "eager ms", "fused-geglu ms", "speed-up"]
+    head += ["eager host µs", "fused-geglu host µs"]
+    return lines + table(head, rows) + [""]
+
+
+def distributed_section(path: Path, result: dict) -> list[str]:
+    """benchmarks/distributed.py: a kernelized model against eager on several GPUs."""
+    env, model = result["env"], result["model"]
+    lines = paragraph(
+        f"Distributed, {env['world_size']} x {env['gpu']}, {env['date']} (torch "
+        f"{env['torch']}, Triton {env['triton']}, transformers {env['transformers']}): a "
+        f"Gemma model with Gemma-2B's layer shapes, {model['num_hidden_layers']} layers, "
+        f"{model['num_key_value_heads']} key/value heads, bf16, "
+        f"{model['tokens_per_rank']} tokens per rank. Source: `{path.relative_to(ROOT)}`, "
+        f"made by `torchrun --nproc_per_node 2 benchmarks/distributed.py`."
+    )
+    names = {
+        "tp_forward": 'tensor parallel (`tp_plan="auto"`), forward',
+        "tp_training_step": "tensor parallel, training step (AdamW)",
+        "fsdp_training_step": "FSDP2 `fully_shard`, training step (AdamW)",
+    }
+    rows = [
+        [label, ms(r["eager"]["ms"]), ms(r["kernelized"]["ms"]), f"{r['speedup']:.2f}x",
+         f"{r['eager']['peak_extra_MiB']:.0f}", f"{r['kernelized']['peak_extra_MiB']:.0f}"]
+        for key, label in names.items()
+        if (r := result.get(key))
+    ]  # fmt: skip
+    head = ["run", "eager ms", "kernelized ms", "speed-up"]
+    head += ["eager peak MiB", "kernelized peak MiB"]
+    return lines + table(head, rows) + [""]
 
 
 def report_section(path: Path, report: dict) -> list[str]:
@@ -174,10 +212,16 @@ def render() -> str:
     """The text between the markers."""
     compare = max(RESULTS.glob("*-compare.json"))
     lines = compare_section(compare, json.loads(compare.read_text()))
-    reports = list(RESULTS.glob("*-report.json"))
-    if reports:
-        path = max(reports)
-        lines += report_section(path, json.loads(path.read_text()))
+    sections = {
+        "families": families_section,
+        "distributed": distributed_section,
+        "report": report_section,
+    }
+    for kind, section in sections.items():
+        paths = list(RESULTS.glob(f"*-{kind}.json"))
+        if paths:
+            path = max(paths)
+            lines += section(path, json.loads(path.read_text()))
     return "\n".join(lines) + "\n"
 
 

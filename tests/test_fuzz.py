@@ -122,9 +122,13 @@ def slack(dtype):
     return INTERPRETED_BF16_SLACK if dtype == torch.bfloat16 and not HAS_GPU else 1.0
 
 
-def check(ours, ref, eager, dtype):
-    """Every output/gradient triple under the shared rule, one rounding unit of floor."""
-    floor = max(1e-6, torch.finfo(dtype).eps * slack(dtype))
+def check(ours, ref, eager, dtype, reduction=1):
+    """Every output/gradient triple under the shared rule, with a floor of one rounding
+    unit of ``dtype`` or, if larger, the random walk of fp32 accumulation over the longest
+    sum (``reduction`` terms: sqrt(n) fp32 units; cuBLAS's sum order can be luckier, as
+    on the H200 at 8192 fp32 rows: 1.2e-6 against its 5.5e-8)."""
+    accumulation = torch.finfo(torch.float32).eps * math.sqrt(reduction)
+    floor = max(1e-6, torch.finfo(dtype).eps * slack(dtype), accumulation)
     for o, r, e in zip(ours, ref, eager):
         assert (o is None) == (r is None)
         if o is not None:
@@ -151,11 +155,11 @@ def run(fn, inputs, needs_grad, dy, dtype=None):
     return [y.detach()] + [t.grad if g else None for t, g in zip(leaves, needs_grad)]
 
 
-def compare(ours_fn, eager_fn, inputs, needs_grad, dy, dtype):
+def compare(ours_fn, eager_fn, inputs, needs_grad, dy, dtype, reduction=1):
     ours = run(ours_fn, inputs, needs_grad, dy)
     ref = run(eager_fn, inputs, needs_grad, dy, torch.float64)
     eager = run(eager_fn, inputs, needs_grad, dy)
-    check(ours, ref, eager, dtype)
+    check(ours, ref, eager, dtype, reduction)
 
 
 def eager_geglu(gate, up, approximate):
@@ -230,7 +234,7 @@ def test_fuzz_linear(fused_geglu, device, data):
     compare(
         partial(fused_geglu.linear, activation=activation),
         partial(eager_linear, activation=activation),
-        inputs, needs_grad, dy, dtype,
+        inputs, needs_grad, dy, dtype, max(math.prod(lead), n, k),
     )  # fmt: skip
 
 
@@ -265,7 +269,7 @@ def test_fuzz_geglu_linear(fused_geglu, device, data):
     compare(
         partial(fused_geglu.geglu_linear, approximate=approximate),
         partial(eager_geglu_linear, approximate=approximate),
-        inputs, needs_grad, dy, dtype,
+        inputs, needs_grad, dy, dtype, max(math.prod(lead), i, h),
     )  # fmt: skip
 
 
@@ -290,5 +294,5 @@ def test_fuzz_geglu_mlp(fused_geglu, device, data):
     compare(
         partial(fused_geglu.geglu_mlp, approximate=approximate),
         partial(eager_geglu_mlp, approximate=approximate),
-        inputs, needs_grad, dy, dtype,
+        inputs, needs_grad, dy, dtype, max(math.prod(lead), i, h),
     )  # fmt: skip

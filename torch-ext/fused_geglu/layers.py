@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gemm import dual_gemm_is_fast, tma_applies
-from .ops import geglu, geglu_linear, kernels_run_on, linear
+from .ops import DTensor, Shard, geglu, geglu_linear, kernels_run_on, linear
 
 # transformers' tanh-GeLU modules (ACT2FN "gelu_pytorch_tanh", "gelu_python_tanh",
 # "gelu_new", "gelu_fast") all compute 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -92,27 +92,79 @@ class Linear(nn.Module):
     can_torch_compile = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _kernels_run_on(input, "Linear"):
+        # A DTensor weight (tensor-parallel, FSDP): DTensor's linear does the collectives.
+        if isinstance(self.weight, DTensor) or not _kernels_run_on(input, "Linear"):
             return F.linear(input, self.weight, self.bias)
         return linear(input, self.weight, self.bias)
 
 
 def _plain_linear(m: nn.Module) -> bool:
-    """An ``nn.Linear`` that computes exactly ``F.linear``: not a subclass (LoRA,
-    quantised), no hooks, no instance-level ``forward`` (patched or kernelized)."""
+    """An ``nn.Linear`` that computes exactly ``F.linear`` on local tensors: not a subclass
+    (LoRA, quantised), no hooks, no instance-level ``forward`` (patched, kernelized or
+    tensor-parallel), no DTensor weight (sharded: its forward needs collectives)."""
     return (
         type(m) is nn.Linear
         and not m._forward_hooks
         and not m._forward_pre_hooks
         and "forward" not in m.__dict__
+        and not isinstance(m.weight, DTensor)
     )
 
 
-def _dual_gemm_applies(x: torch.Tensor, *projections: nn.Module) -> bool:
-    """Whether our GeGLU dual GEMM replaces the projections, where it is the faster choice:
-    inference (in training, cuBLAS's backward GEMMs and our fused activation were faster
-    and lighter), plain 16-bit ``nn.Linear`` weights of x's dtype, no autocast, a GPU with
-    TMA. On the H200 it beats cuBLAS + a fused activation at 1 to 8192 tokens
+def _tp_colwise_shards(m: nn.Module) -> tuple | None:
+    """``(weight, bias)`` local shards of an ``nn.Linear`` that transformers' tensor-parallel
+    plan made column-wise ("colwise": weight and bias ``Shard(0)``, this rank's output
+    features kept local). In inference its forward is then exactly ``F.linear`` on these
+    shards, with no collective. None for any other module or style: those keep their own
+    forward, collectives included."""
+    forward = m.__dict__.get("forward")
+    if (
+        type(m) is not nn.Linear
+        or m._forward_hooks
+        or m._forward_pre_hooks
+        or not isinstance(m.weight, DTensor)
+        or getattr(forward, "__name__", None) != "tp_forward"
+    ):
+        return None
+    # transformers installs the style as a closure over ``self`` (the style object) and
+    # ``original_forward``; read both rather than guess the style from placements.
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+    style = cells["self"].cell_contents if "self" in cells else None
+    original = (
+        cells["original_forward"].cell_contents if "original_forward" in cells else None
+    )
+    colwise = (Shard(0),)
+    if (
+        type(style).__name__ != "ColwiseParallel"
+        or not type(style).__module__.startswith("transformers.")
+        or style.output_layouts != Shard(-1)
+        or not style.use_local_output
+        or getattr(original, "__func__", None) is not nn.Linear.forward
+        or getattr(m, "_hf_quantized_needs_local_tp", False)
+        or m.weight.placements != colwise
+        or m.weight.device_mesh.ndim != 1
+        or (
+            m.bias is not None
+            and (not isinstance(m.bias, DTensor) or m.bias.placements != colwise)
+        )
+    ):
+        return None
+    return m.weight.to_local(), None if m.bias is None else m.bias.to_local()
+
+
+def _linear_operands(m: nn.Module, x: torch.Tensor) -> tuple | None:
+    """``(weight, bias)`` of x's dtype such that, in inference, ``m(x)`` is
+    ``F.linear(x, weight, bias)``: a plain ``nn.Linear``'s own parameters, or a
+    tensor-parallel column-wise shard's; None for anything else."""
+    operands = (m.weight, m.bias) if _plain_linear(m) else _tp_colwise_shards(m)
+    return operands if operands and operands[0].dtype == x.dtype else None
+
+
+def _dual_gemm_is_faster(x: torch.Tensor, *projections: nn.Module) -> bool:
+    """Whether our GeGLU dual GEMM should replace the projections (given operands it can
+    read): in inference (in training, cuBLAS's backward GEMMs and our fused activation
+    were faster and lighter), with 16-bit x on a GPU with TMA, no autocast. On the H200 it
+    beats cuBLAS + a fused activation at 1 to 8192 tokens
     (benchmarks/results/*-compare.json)."""
     training = torch.is_grad_enabled() and (
         x.requires_grad
@@ -121,7 +173,7 @@ def _dual_gemm_applies(x: torch.Tensor, *projections: nn.Module) -> bool:
     return (
         not training
         and dual_gemm_is_fast(x)
-        and all(_plain_linear(p) and p.weight.dtype == x.dtype for p in projections)
+        and not isinstance(x, DTensor)
         and not torch.is_autocast_enabled(x.device.type)
     )
 
@@ -146,16 +198,11 @@ def _geglu_two_projections(
     """``gelu(gate_proj(x)) * up_proj(x)``, and whether our dual GEMM computed it; otherwise
     the projections' own forwards (cuBLAS, or whatever wraps them: LoRA, quantised, hooked,
     autocast) and our fused activation."""
-    if _dual_gemm_applies(x, gate_proj, up_proj):
-        h = geglu_linear(
-            x,
-            gate_proj.weight,
-            up_proj.weight,
-            gate_proj.bias,
-            up_proj.bias,
-            approximate,
-        )
-        return h, True
+    if _dual_gemm_is_faster(x, gate_proj, up_proj):
+        gate, up = _linear_operands(gate_proj, x), _linear_operands(up_proj, x)
+        if gate and up:
+            (w_gate, b_gate), (w_up, b_up) = gate, up
+            return geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate), True
     return geglu(gate_proj(x), up_proj(x), approximate), False
 
 
@@ -166,7 +213,12 @@ def _geglu_fused_projection(
     ``halves = proj(x).chunk(2, dim=-1)``, and whether our dual GEMM computed it (reading
     the weight's halves as row slices); otherwise the projection's output halves are views
     that the activation kernel reads through their row stride. No copy either way."""
-    if proj.out_features % 2 == 0 and _dual_gemm_applies(x, proj):
+    if (
+        proj.out_features % 2 == 0
+        and _dual_gemm_is_faster(x, proj)
+        and _plain_linear(proj)
+        and proj.weight.dtype == x.dtype
+    ):
         w = proj.weight.chunk(2)
         b = (None, None) if proj.bias is None else proj.bias.chunk(2)
         g, u = gate_half, 1 - gate_half

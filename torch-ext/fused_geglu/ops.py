@@ -10,6 +10,12 @@ import math
 
 import torch
 
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+else:  # a torch built without distributed has no DTensors
+    DTensor, Replicate, Shard, register_sharding = (), None, None, None
+
 from ._ops import add_op_namespace_prefix
 from .activation import INTERPRETED, as_rows, geglu_bwd, geglu_fwd
 from .gemm import ACTIVATIONS, gemm
@@ -32,13 +38,20 @@ def _given(**tensors: torch.Tensor | None) -> dict[str, torch.Tensor]:
     return {n: t for n, t in tensors.items() if t is not None}
 
 
-def check_tensors(op: str, **tensors: torch.Tensor) -> None:
+def check_tensors(op: str, dtensors: bool = False, **tensors: torch.Tensor) -> None:
     """Dense tensors of one dtype on one device, a supported dtype, a device Triton can
-    run on. Messages name every tensor's shape, dtype and device (built only on error)."""
+    run on; DTensors only where ``dtensors`` (the op has a sharding rule). Messages name
+    every tensor's shape, dtype and device (built only on error)."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(
                 f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}"
+            )
+        if isinstance(t, DTensor) and not dtensors:
+            raise TypeError(
+                f"{op}: {name} is a DTensor (placements {t.placements} on {t.device_mesh}); "
+                f"{op} takes local tensors: pass .to_local() shards and do the collectives "
+                f"your parallel plan needs (this package's layers do both)"
             )
         if t.layout != torch.strided:
             raise TypeError(
@@ -121,12 +134,14 @@ def _eager_function(impl, setup_context, autograd, backward_impl):
     return type(f"{impl.__name__}_eager", (torch.autograd.Function,), members)
 
 
-def _traced(t: torch.Tensor) -> bool:
-    """Under torch.compile, or a meta/fake tensor: only the custom op's fake applies."""
+def _dispatched(t: torch.Tensor) -> bool:
+    """Whether the call must go through the dispatcher: under torch.compile or on a
+    meta/fake tensor (only the custom op's fake applies), or on a DTensor (its sharding
+    rule runs the op on the local shards)."""
     return (
         torch.compiler.is_compiling()
         or t.device.type == "meta"
-        or isinstance(t, torch._subclasses.FakeTensor)
+        or isinstance(t, (torch._subclasses.FakeTensor, DTensor))
     )
 
 
@@ -138,9 +153,9 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 def _call(op, eager, needs_grad: bool, *args):
-    """``op(*args)``: the custom op when traced; else the eager Function, or with nothing
+    """``op(*args)``: the custom op when dispatched; else the eager Function, or with nothing
     to differentiate (``needs_grad`` False: inference) the implementation alone."""
-    if _traced(args[0]):
+    if _dispatched(args[0]):
         return op(*args)
     run = eager.apply if needs_grad else eager.impl
     if torch.autograd._profiler_enabled():  # profiles still name the op
@@ -201,6 +216,22 @@ def _geglu_autograd(ctx, dout, backward=_geglu_backward):
 
 
 _geglu.register_autograd(_geglu_autograd, setup_context=_geglu_setup_context)
+
+
+def _elementwise_shardings(like: torch.Tensor, n_in: int, n_out: int) -> list:
+    """DTensor sharding rule of an elementwise op on n_in tensors of one shape: all
+    replicated, or all sharded along one same dim (GeLU is not linear: no Partial)."""
+    placements = [Replicate()] + [Shard(d) for d in range(like.ndim)]
+    return [([p] * n_out, [p] * n_in + [None]) for p in placements]
+
+
+if register_sharding is not None:
+    register_sharding(_geglu._opoverload)(
+        lambda gate, up, approximate: _elementwise_shardings(gate, 2, 1)
+    )
+    register_sharding(_geglu_backward._opoverload)(
+        lambda dout, gate, up, approximate: _elementwise_shardings(gate, 3, 2)
+    )
 _geglu_eager = _eager_function(
     _geglu_impl, _geglu_setup_context, _geglu_autograd, _geglu_backward_impl
 )
@@ -214,7 +245,7 @@ def geglu(
     ``gate`` and ``up``: ``[..., N]`` of one shape, dtype and device; any strides.
     """
     _check_approximate("geglu", approximate)
-    check_tensors("geglu", gate=gate, up=up)
+    check_tensors("geglu", dtensors=True, gate=gate, up=up)
     if gate.dim() == 0 or up.dim() == 0:
         raise ValueError(
             f"geglu: gate and up must have at least one dimension, got shapes "
@@ -262,7 +293,7 @@ def _gelu_and_mul_checked(
             f"{op}: out has a zero stride (strides {out.stride()}, e.g. from expand()), so "
             f"several results would be written to one memory location; clone() it first"
         )
-    if _traced(x) or torch.autograd._profiler_enabled():
+    if _dispatched(x) or torch.autograd._profiler_enabled():
         _gelu_and_mul(out, x, approximate)
     else:
         _gelu_and_mul_impl(out, x, approximate)

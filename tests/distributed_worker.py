@@ -1,11 +1,13 @@
 """One rank of the multi-process checks in test_distributed.py, run under torchrun:
 
-    torchrun --nproc_per_node 2 tests/distributed_worker.py {tp,fsdp} {cpu,cuda} TMPDIR
+    torchrun --nproc_per_node 2 tests/distributed_worker.py {tp,fsdp,dtensor} {cpu,cuda} TMPDIR
 
 ``tp``: a tiny model of each family loaded with transformers' ``tp_plan="auto"``, then
 kernelized; its logits (inference) and parameter gradients (training) must match the
 single-process eager model, and our kernels must have run. ``fsdp``: a few AdamW steps of
-a kernelized model under FSDP2 ``fully_shard`` must give eager FSDP2's losses. On the CPU
+a kernelized model under FSDP2 ``fully_shard`` must give eager FSDP2's losses.
+``dtensor``: ``geglu`` on DTensors (its sharding rule) against float64, and the GEMM
+functions' error for a DTensor. On the CPU
 (gloo, Triton interpreter) inference runs in fp16, so the TP path takes the dual GEMM;
 on GPUs (NCCL) everything runs in bf16. Any mismatch raises, so the rank exits non-zero.
 """
@@ -29,7 +31,13 @@ from kernels import (
     use_kernel_mapping,
 )
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    init_device_mesh,
+)
 from transformers import (
     DistributedConfig,
     Gemma3ForCausalLM,
@@ -224,6 +232,41 @@ def check_fsdp(family: str, device: torch.device) -> None:
     )
 
 
+def check_dtensor(device: torch.device) -> None:
+    """``geglu`` on DTensors, every placement (the two inputs alike, then mixed, which
+    DTensor redistributes), forward and backward against float64 on the full tensors."""
+    from kernels import get_local_kernel
+
+    fused_geglu = get_local_kernel(ROOT)
+    mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
+    gen = torch.Generator().manual_seed(2)
+    gate, up, dout = (torch.randn(4, 6, 10, generator=gen) for _ in range(3))
+    gate64, up64 = (t.double().requires_grad_() for t in (gate, up))
+    want = torch.nn.functional.gelu(gate64, approximate="tanh") * up64
+    want.backward(dout.double())
+    placements = [Replicate(), Shard(0), Shard(1), Shard(2)]
+    for gate_p, up_p in [(p, p) for p in placements] + [(Shard(0), Replicate())]:
+        g = distribute_tensor(gate.to(device), mesh, [gate_p]).requires_grad_()
+        u = distribute_tensor(up.to(device), mesh, [up_p]).requires_grad_()
+        out = fused_geglu.geglu(g, u, "tanh")
+        assert isinstance(out, DTensor), type(out)
+        out.backward(distribute_tensor(dout.to(device), mesh, out.placements))
+        for got, expected in ((out, want), (g.grad, gate64.grad), (u.grad, up64.grad)):
+            torch.testing.assert_close(
+                got.full_tensor().double().cpu(),
+                expected.detach(),
+                rtol=1e-5,
+                atol=1e-6,
+            )
+    x = distribute_tensor(gate.to(device), mesh, [Shard(0)])
+    try:
+        fused_geglu.linear(x, torch.randn(3, 10, device=device))
+    except TypeError as e:
+        assert "x is a DTensor" in str(e) and "to_local" in str(e), e
+    else:
+        raise AssertionError("linear accepted a DTensor")
+
+
 def main() -> None:
     check, tmp = sys.argv[1], Path(sys.argv[3])
     if DEVICE == "cuda":
@@ -235,7 +278,10 @@ def main() -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     try:
-        for family in FAMILIES:
+        if check == "dtensor":
+            check_dtensor(device)
+            print(f"rank {dist.get_rank()}: dtensor ok", flush=True)
+        for family in FAMILIES if check != "dtensor" else ():
             if check == "tp":
                 check_tp(family, tmp, device)
             else:

@@ -217,6 +217,7 @@ def test_layer_repository_version_needs_the_hub(local_kernels, monkeypatch, tmp_
 def test_loading_makes_no_network_access(device):
     """A fresh interpreter in which any connection raises loads the build and runs it."""
     script = f"""
+        import sys
         from pathlib import Path
 
         import torch
@@ -225,6 +226,8 @@ def test_loading_makes_no_network_access(device):
         module = get_local_kernel(Path({str(ROOT)!r}))
         x = torch.randn(4, 8, device={device!r})
         assert torch.isfinite(module.geglu(x, x)).all()
+        # DTensor support is lazy: importing torch.distributed.tensor takes about 1 s.
+        assert "torch.distributed.tensor" not in sys.modules
     """
     result = run_python(script, no_network=True, HF_HUB_OFFLINE="1", LOCAL_KERNELS=None)
     assert result.returncode == 0, result.stderr

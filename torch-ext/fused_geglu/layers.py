@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gemm import dual_gemm_is_fast, tma_applies
-from .ops import DTensor, Shard, geglu, geglu_linear, kernels_run_on, linear
+from .ops import geglu, geglu_linear, is_dtensor, kernels_run_on, linear
 
 # transformers' tanh-GeLU modules (ACT2FN "gelu_pytorch_tanh", "gelu_python_tanh",
 # "gelu_new", "gelu_fast") all compute 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -93,7 +93,7 @@ class Linear(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # A DTensor weight (tensor-parallel, FSDP): DTensor's linear does the collectives.
-        if isinstance(self.weight, DTensor) or not _kernels_run_on(input, "Linear"):
+        if is_dtensor(self.weight) or not _kernels_run_on(input, "Linear"):
             return F.linear(input, self.weight, self.bias)
         return linear(input, self.weight, self.bias)
 
@@ -107,7 +107,7 @@ def _plain_linear(m: nn.Module) -> bool:
         and not m._forward_hooks
         and not m._forward_pre_hooks
         and "forward" not in m.__dict__
-        and not isinstance(m.weight, DTensor)
+        and not is_dtensor(m.weight)
     )
 
 
@@ -122,10 +122,12 @@ def _tp_colwise_shards(m: nn.Module) -> tuple | None:
         type(m) is not nn.Linear
         or m._forward_hooks
         or m._forward_pre_hooks
-        or not isinstance(m.weight, DTensor)
+        or not is_dtensor(m.weight)
         or getattr(forward, "__name__", None) != "tp_forward"
     ):
         return None
+    from torch.distributed.tensor import Shard  # imported: m.weight is a DTensor
+
     # transformers installs the style as a closure over ``self`` (the style object) and
     # ``original_forward``; read both rather than guess the style from placements.
     cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
@@ -145,7 +147,7 @@ def _tp_colwise_shards(m: nn.Module) -> tuple | None:
         or m.weight.device_mesh.ndim != 1
         or (
             m.bias is not None
-            and (not isinstance(m.bias, DTensor) or m.bias.placements != colwise)
+            and (not is_dtensor(m.bias) or m.bias.placements != colwise)
         )
     ):
         return None
@@ -173,7 +175,7 @@ def _dual_gemm_is_faster(x: torch.Tensor, *projections: nn.Module) -> bool:
     return (
         not training
         and dual_gemm_is_fast(x)
-        and not isinstance(x, DTensor)
+        and not is_dtensor(x)
         and not torch.is_autocast_enabled(x.device.type)
     )
 

@@ -6,15 +6,11 @@ where differentiable, an autograd formula, so the functions run under
 build's ``_ops.py`` and is unique per build, as kernel-builder's is.
 """
 
+import functools
 import math
+import sys
 
 import torch
-
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
-else:  # a torch built without distributed has no DTensors
-    DTensor, Replicate, Shard, register_sharding = (), None, None, None
 
 from ._ops import add_op_namespace_prefix
 from .activation import INTERPRETED, as_rows, geglu_bwd, geglu_fwd
@@ -47,7 +43,7 @@ def check_tensors(op: str, dtensors: bool = False, **tensors: torch.Tensor) -> N
             raise TypeError(
                 f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}"
             )
-        if isinstance(t, DTensor) and not dtensors:
+        if not dtensors and is_dtensor(t):
             raise TypeError(
                 f"{op}: {name} is a DTensor (placements {t.placements} on {t.device_mesh}); "
                 f"{op} takes local tensors: pass .to_local() shards and do the collectives "
@@ -90,6 +86,13 @@ def check_tensors(op: str, dtensors: bool = False, **tensors: torch.Tensor) -> N
             f"{op}: CPU tensors need the Triton interpreter (set TRITON_INTERPRET=1 before "
             f"importing triton) or a GPU ({_describe(tensors)})"
         )
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor (about 1 s at
+    the package's import): none exists before that module is imported."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def kernels_run_on(device: torch.device) -> bool:
@@ -141,7 +144,8 @@ def _dispatched(t: torch.Tensor) -> bool:
     return (
         torch.compiler.is_compiling()
         or t.device.type == "meta"
-        or isinstance(t, (torch._subclasses.FakeTensor, DTensor))
+        or isinstance(t, torch._subclasses.FakeTensor)
+        or is_dtensor(t)
     )
 
 
@@ -218,20 +222,26 @@ def _geglu_autograd(ctx, dout, backward=_geglu_backward):
 _geglu.register_autograd(_geglu_autograd, setup_context=_geglu_setup_context)
 
 
-def _elementwise_shardings(like: torch.Tensor, n_in: int, n_out: int) -> list:
-    """DTensor sharding rule of an elementwise op on n_in tensors of one shape: all
-    replicated, or all sharded along one same dim (GeLU is not linear: no Partial)."""
-    placements = [Replicate()] + [Shard(d) for d in range(like.ndim)]
-    return [([p] * n_out, [p] * n_in + [None]) for p in placements]
+@functools.cache
+def _register_dtensor_rules() -> None:
+    """DTensor sharding rules of the elementwise ops, registered at their first DTensor
+    call: all inputs replicated, or all sharded along one same dim, and the outputs
+    alike (GeLU is not linear: no Partial)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
 
+    def elementwise(like: torch.Tensor, n_in: int, n_out: int) -> list:
+        placements = [Replicate()] + [Shard(d) for d in range(like.ndim)]
+        return [([p] * n_out, [p] * n_in + [None]) for p in placements]
 
-if register_sharding is not None:
     register_sharding(_geglu._opoverload)(
-        lambda gate, up, approximate: _elementwise_shardings(gate, 2, 1)
+        lambda gate, up, approximate: elementwise(gate, 2, 1)
     )
     register_sharding(_geglu_backward._opoverload)(
-        lambda dout, gate, up, approximate: _elementwise_shardings(gate, 3, 2)
+        lambda dout, gate, up, approximate: elementwise(gate, 3, 2)
     )
+
+
 _geglu_eager = _eager_function(
     _geglu_impl, _geglu_setup_context, _geglu_autograd, _geglu_backward_impl
 )
@@ -255,6 +265,8 @@ def geglu(
         raise ValueError(
             f"geglu: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}"
         )
+    if is_dtensor(gate) or is_dtensor(up):
+        _register_dtensor_rules()
     return _call(_geglu, _geglu_eager, _needs_grad(gate, up), gate, up, approximate)
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from kernels import (
     LocalLayerRepository,
     Mode,
+    get_local_kernel,
     kernelize,
     replace_kernel_forward_from_hub,
     use_kernel_mapping,
@@ -198,6 +199,37 @@ def fsdp_sharded(model):
     return fully_shard(model)
 
 
+def check_tp_styles(device: torch.device) -> None:
+    """The layers take a projection's local shards (and skip its forward) for transformers'
+    "colwise" style only, and those shards reproduce its forward; every other style keeps
+    its own forward and collectives."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    fused_geglu = get_local_kernel(ROOT)
+    mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(device)
+    for name in (
+        "colwise",
+        "colwise_rep",
+        "colwise_gather_output",
+        "rowwise",
+        "replicate",
+    ):
+        torch.manual_seed(4)  # the same full weight on every rank
+        linear = torch.nn.Linear(64, 136).to(device)
+        style = ALL_PARALLEL_STYLES[name]
+        for param in ("weight", "bias"):
+            style.shard_param(linear, param, mesh)
+        style.install_forward(linear, mesh)
+        shards = fused_geglu.layers._tp_colwise_shards(linear)
+        assert (shards is not None) == (name == "colwise"), name
+        if shards is not None:
+            with torch.no_grad():
+                torch.testing.assert_close(
+                    torch.nn.functional.linear(x, *shards), linear(x)
+                )
+
+
 def check_fsdp(family: str, device: torch.device) -> None:
     config_cls, model_cls, act = FAMILIES[family]
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -235,8 +267,6 @@ def check_fsdp(family: str, device: torch.device) -> None:
 def check_dtensor(device: torch.device) -> None:
     """``geglu`` on DTensors, every placement (the two inputs alike, then mixed, which
     DTensor redistributes), forward and backward against float64 on the full tensors."""
-    from kernels import get_local_kernel
-
     fused_geglu = get_local_kernel(ROOT)
     mesh = init_device_mesh(DEVICE, (dist.get_world_size(),))
     gen = torch.Generator().manual_seed(2)
@@ -277,16 +307,17 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    # Each check: (what its line says, the function); every rank prints "<line> ok".
+    checks = {
+        "tp": [(f"tp {f}", lambda f=f: check_tp(f, tmp, device)) for f in FAMILIES]
+        + [("tp styles", lambda: check_tp_styles(device))],
+        "fsdp": [(f"fsdp {f}", lambda f=f: check_fsdp(f, device)) for f in FAMILIES],
+        "dtensor": [("dtensor", lambda: check_dtensor(device))],
+    }
     try:
-        if check == "dtensor":
-            check_dtensor(device)
-            print(f"rank {dist.get_rank()}: dtensor ok", flush=True)
-        for family in FAMILIES if check != "dtensor" else ():
-            if check == "tp":
-                check_tp(family, tmp, device)
-            else:
-                check_fsdp(family, device)
-            print(f"rank {dist.get_rank()}: {check} {family} ok", flush=True)
+        for line, run in checks[check]:
+            run()
+            print(f"rank {dist.get_rank()}: {line} ok", flush=True)
     finally:
         dist.destroy_process_group()
 

@@ -98,14 +98,17 @@ class Linear(nn.Module):
         return linear(input, self.weight, self.bias)
 
 
+def _unwrapped_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear`` itself: not a subclass (LoRA, quantised), no hooks."""
+    return type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
+
+
 def _plain_linear(m: nn.Module) -> bool:
-    """An ``nn.Linear`` that computes exactly ``F.linear`` on local tensors: not a subclass
-    (LoRA, quantised), no hooks, no instance-level ``forward`` (patched, kernelized or
-    tensor-parallel), no DTensor weight (sharded: its forward needs collectives)."""
+    """An unwrapped ``nn.Linear`` that computes exactly ``F.linear`` on local tensors: no
+    instance-level ``forward`` (patched, kernelized or tensor-parallel), no DTensor weight
+    (sharded: its forward needs collectives)."""
     return (
-        type(m) is nn.Linear
-        and not m._forward_hooks
-        and not m._forward_pre_hooks
+        _unwrapped_linear(m)
         and "forward" not in m.__dict__
         and not is_dtensor(m.weight)
     )
@@ -119,9 +122,7 @@ def _tp_colwise_shards(m: nn.Module) -> tuple | None:
     forward, collectives included."""
     forward = m.__dict__.get("forward")
     if (
-        type(m) is not nn.Linear
-        or m._forward_hooks
-        or m._forward_pre_hooks
+        not _unwrapped_linear(m)
         or not is_dtensor(m.weight)
         or getattr(forward, "__name__", None) != "tp_forward"
     ):
@@ -213,16 +214,14 @@ def _geglu_fused_projection(
 ) -> tuple[torch.Tensor, bool]:
     """``gelu(halves[gate_half]) * halves[1 - gate_half]`` for
     ``halves = proj(x).chunk(2, dim=-1)``, and whether our dual GEMM computed it (reading
-    the weight's halves as row slices); otherwise the projection's output halves are views
-    that the activation kernel reads through their row stride. No copy either way."""
-    if (
-        proj.out_features % 2 == 0
-        and _dual_gemm_is_faster(x, proj)
-        and _plain_linear(proj)
-        and proj.weight.dtype == x.dtype
-    ):
-        w = proj.weight.chunk(2)
-        b = (None, None) if proj.bias is None else proj.bias.chunk(2)
+    the weight's halves as row slices: the output's halves, also of a tensor-parallel
+    shard); otherwise the projection's output halves are views that the activation kernel
+    reads through their row stride. No copy either way."""
+    operands = _linear_operands(proj, x) if _dual_gemm_is_faster(x, proj) else None
+    if operands and operands[0].shape[0] % 2 == 0:
+        weight, bias = operands
+        w = weight.chunk(2)
+        b = (None, None) if bias is None else bias.chunk(2)
         g, u = gate_half, 1 - gate_half
         return geglu_linear(x, w[g], w[u], b[g], b[u], approximate), True
     halves = proj(x).chunk(2, dim=-1)

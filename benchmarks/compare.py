@@ -10,6 +10,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -42,16 +43,20 @@ def bench(fn, graph=False):
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def host_us(fn, n=200):
-    """Host time per call: the launch loop's wall time, the GPU drained before and after."""
+def host_us(fn, n=20, repeats=10):
+    """Host time per call: the median over ``repeats`` loops of ``n`` calls of the loop's
+    wall time per call, the GPU drained before each loop. Short loops: a loop that fills
+    the GPU's launch queue waits for the GPU and times it instead of the host."""
     fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    return statistics.median(times)
 
 
 def kernels_per_call(fn):
@@ -289,9 +294,7 @@ def families(
         ),
     }  # fmt: skip
     timer = timer or (lambda fn: bench(fn, graph=True))
-    # 20 calls: too few to fill the GPU's launch queue, which would stall the host loop
-    # behind the GPU at large sizes and time the GPU instead.
-    host_timer = host_timer or (lambda fn: host_us(fn, n=20))
+    host_timer = host_timer or host_us
     result = {}
     for name, (module, layer, tokens, hidden) in cases.items():
         module = module.to(device, dtype).eval()

@@ -9,6 +9,7 @@ digits below 0.1 ms; fractions to 2 decimals; µs and MiB to integers.
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -205,7 +206,29 @@ def report_section(path: Path, report: dict) -> list[str]:
                 cells += [f"{row['host_us']:.0f}", frac(row["frac_roofline"])]
             cells += [ms(row["first_call_ms"]), stage.get("recompiles", "-")]
             rows.append(cells)
-    return lines + table(head, rows) + [""]
+    lines += table(head, rows) + [""]
+    folder = path.parent.relative_to(ROOT)
+    lines += [f"![{c}]({folder}/{path.stem}-{c})" for c in report.get("charts", [])]
+    lines += [""] if report.get("charts") else []
+    check = path.with_name(f"{path.stem}-check.json")
+    if check.exists():
+        lines += check_section(check, json.loads(check.read_text()))
+    return lines
+
+
+def check_section(path: Path, check: dict) -> list[str]:
+    """benchmarks/check_report.py's verdict on the report beside it."""
+    rows = check["rows"]
+    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
+    agree = sum(r["agrees"] for r in rows)
+    return paragraph(
+        f"Independent timings (`benchmarks/check_report.py`, another process, "
+        f"`triton.testing.do_bench` by another route, {check['env']['date']}): {agree} of "
+        f"{len(rows)} rows agree within the noise; the largest deviation is "
+        f"{abs(worst['ratio'] - 1):.1%} ({worst['stage']}, {worst['tokens']} tokens: "
+        f"{ms(worst['report_ms'])} against {ms(worst['independent_ms'])} ms). Source: "
+        f"`{path.relative_to(ROOT)}`."
+    )
 
 
 def render() -> str:
@@ -223,6 +246,21 @@ def render() -> str:
             path = max(paths)
             lines += section(path, json.loads(path.read_text()))
     return "\n".join(lines) + "\n"
+
+
+def draw_report_charts() -> None:
+    """The newest report's PNG charts beside its JSON (matplotlib: not byte-stable, so
+    --check compares only the README text)."""
+    paths = list(RESULTS.glob("*-report.json"))
+    if not paths:
+        return
+    path = max(paths)
+    spec = importlib.util.spec_from_file_location(
+        "report", ROOT / "scripts" / "report.py"
+    )
+    report_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report_module)
+    report_module.charts(json.loads(path.read_text()), RESULTS, prefix=f"{path.stem}-")
 
 
 def replace_section(readme: str, section: str) -> str:
@@ -247,6 +285,7 @@ def main() -> int:
             return 1
         return 0
     README.write_text(updated)
+    draw_report_charts()
     print("README.md results regenerated")
     return 0
 

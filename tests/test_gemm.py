@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import HAS_GPU
-from reference import assert_close_to_ref
+from reference import assert_close_to_ref, geglu_ref, poisoned
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_GPU else [])
 ACTS = [None, "gelu", "gelu_tanh"]
@@ -187,3 +187,45 @@ def test_opcheck_and_compile(fused_geglu, device):
         compiled(x, w, b), fused_geglu.linear(x, w, b, "gelu_tanh")
     )
     compiled(x, w, b).sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 200], ids=["portable", "tma"])
+def test_direct_launch(fused_geglu, device, monkeypatch, tokens):
+    """After the first launch of a specialisation, gemm launches the compiled kernel
+    without JITFunction.run, and each call computes from its own operands; a new token
+    count compiles or looks up again through JITFunction.run, and a misaligned operand
+    always goes through it."""
+    gemm = fused_geglu.gemm
+    runs = []
+    for name in ("_gemm_kernel", "_gemm_tma_kernel"):
+        kernel = getattr(gemm, name)
+        spy = lambda *a, _run=kernel.run, **k: runs.append(1) or _run(*a, **k)
+        monkeypatch.setattr(kernel, "run", spy)
+    monkeypatch.setattr(gemm, "_COMPILED", {})
+    hidden, inter, dtype = 256, 384, torch.bfloat16
+    w_gate, w_up = (
+        torch.randn(inter, hidden, dtype=dtype, device=device) / hidden**0.5
+        for _ in range(2)
+    )
+
+    def check(x):
+        h = poisoned((x.shape[0], inter), dtype, device)
+        gemm.gemm(x, w_gate, h, b2=w_up, activation="gelu_tanh")
+        gate, up = F.linear(x, w_gate), F.linear(x, w_up)
+        eager = F.gelu(gate, approximate="tanh") * up
+        ref = geglu_ref(
+            x.double() @ w_gate.double().T, x.double() @ w_up.double().T, "tanh"
+        )
+        assert_close_to_ref(h, ref, eager)
+
+    for expected_runs in (1, 1, 1):  # new inputs of one shape: one JITFunction.run
+        check(torch.randn(tokens, hidden, dtype=dtype, device=device))
+        assert len(runs) == expected_runs
+    assert len(gemm._COMPILED) == 1
+    check(torch.randn(tokens + 1, hidden, dtype=dtype, device=device))
+    assert len(runs) == 2 and len(gemm._COMPILED) == 2
+    buf = torch.randn(tokens * hidden + 1, dtype=dtype, device=device)
+    for expected_runs in (3, 4):  # 2 bytes off 16-byte alignment: never direct
+        check(buf[1:].view(tokens, hidden))
+        assert len(runs) == expected_runs

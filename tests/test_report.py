@@ -119,6 +119,57 @@ def test_report_renders(report_dir):
     assert all(f"| {s} | 16 |" in text for s in STAGES)
 
 
+def load_check_report():
+    spec = importlib.util.spec_from_file_location(
+        "check_report", ROOT / "benchmarks" / "check_report.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_check_report_rows(report_dir, fused_geglu):
+    """benchmarks/check_report.py re-times every row of a report (here with CPU wall
+    times in place of the GPU timers) and compares each with the report's time."""
+    check_report = load_check_report()
+    report = json.loads((report_dir / "report.json").read_text())
+    timed = []
+
+    def wall(fn):
+        timed.append(fn)
+        return [check_report.load_report_module().wall_ms(fn) for _ in range(5)]
+
+    timers = {
+        row["timer"]: wall
+        for s in report["stages"].values()
+        for row in s["rows"].values()
+    }
+    rows = check_report.check(report, fused_geglu, timers)
+    assert len(rows) == len(timed) == len(STAGES) * len(TOKENS)
+    assert [(r["stage"], r["tokens"]) for r in rows] == [
+        (s, t) for s in STAGES for t in TOKENS
+    ]
+    for r in rows:
+        time_key = report["config"]["time_key"]
+        assert (
+            r["report_ms"]
+            == report["stages"][r["stage"]]["rows"][str(r["tokens"])][time_key]
+        )
+        assert r["independent_q20_ms"] <= r["independent_ms"] <= r["independent_q80_ms"]
+        assert r["ratio"] == pytest.approx(r["report_ms"] / r["independent_ms"])
+
+
+def test_check_report_agreement():
+    """Agreement is a ratio within max(5%, the independent timing's q20-q80 spread)."""
+    agreement = load_check_report().agreement
+    steady = [1.0] * 8 + [1.01, 0.99]
+    assert agreement(1.04, steady)["agrees"] and not agreement(1.06, steady)["agrees"]
+    noisy = [0.8, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0, 1.1, 1.2, 1.3]
+    row = agreement(1.12, noisy)  # q20 0.98, q80 1.12: a 14% tolerance
+    assert row["tolerance"] == pytest.approx(0.14) and row["agrees"]
+    assert not agreement(1.5, noisy)["agrees"]
+
+
 def test_families_benchmark(fused_geglu, device):
     """compare.py's families section on small sizes (a smoke run: one call each instead
     of the GPU timers): every family's layer runs and matches its eager module."""

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gemm import dual_gemm_is_fast, tma_applies
-from .ops import geglu, geglu_linear, is_dtensor, kernels_run_on, linear
+from .ops import geglu, geglu_linear, is_dtensor, kernels_run_on, linear, needs_grad
 
 # transformers' tanh-GeLU modules (ACT2FN "gelu_pytorch_tanh", "gelu_python_tanh",
 # "gelu_new", "gelu_fast") all compute 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
@@ -163,19 +163,13 @@ def _linear_operands(m: nn.Module, x: torch.Tensor) -> tuple | None:
     return operands if operands and operands[0].dtype == x.dtype else None
 
 
-def _dual_gemm_is_faster(x: torch.Tensor, *projections: nn.Module) -> bool:
-    """Whether our GeGLU dual GEMM should replace the projections (given operands it can
-    read): in inference (in training, cuBLAS's backward GEMMs and our fused activation
-    were faster and lighter), with 16-bit x on a GPU with TMA, no autocast. On the H200 it
-    beats cuBLAS + a fused activation at 1 to 8192 tokens
-    (benchmarks/results/*-compare.json)."""
-    training = torch.is_grad_enabled() and (
-        x.requires_grad
-        or any(p.requires_grad for m in projections for p in m.parameters())
-    )
+def _dual_gemm_applies(x: torch.Tensor) -> bool:
+    """Whether our GeGLU dual GEMM may replace the projections of ``x`` (given operands it
+    can read, in inference): 16-bit x on a GPU with TMA, no autocast. On the H200 it beats
+    cuBLAS + a fused activation at 1 to 8192 tokens (benchmarks/results/*-compare.json).
+    In training cuBLAS's backward GEMMs and our fused activation were faster and lighter."""
     return (
-        not training
-        and dual_gemm_is_fast(x)
+        dual_gemm_is_fast(x)
         and not is_dtensor(x)
         and not torch.is_autocast_enabled(x.device.type)
     )
@@ -201,9 +195,9 @@ def _geglu_two_projections(
     """``gelu(gate_proj(x)) * up_proj(x)``, and whether our dual GEMM computed it; otherwise
     the projections' own forwards (cuBLAS, or whatever wraps them: LoRA, quantised, hooked,
     autocast) and our fused activation."""
-    if _dual_gemm_is_faster(x, gate_proj, up_proj):
+    if _dual_gemm_applies(x):
         gate, up = _linear_operands(gate_proj, x), _linear_operands(up_proj, x)
-        if gate and up:
+        if gate and up and not needs_grad(x, *gate, *up):
             (w_gate, b_gate), (w_up, b_up) = gate, up
             return geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate), True
     return geglu(gate_proj(x), up_proj(x), approximate), False
@@ -217,8 +211,8 @@ def _geglu_fused_projection(
     the weight's halves as row slices: the output's halves, also of a tensor-parallel
     shard); otherwise the projection's output halves are views that the activation kernel
     reads through their row stride. No copy either way."""
-    operands = _linear_operands(proj, x) if _dual_gemm_is_faster(x, proj) else None
-    if operands and operands[0].shape[0] % 2 == 0:
+    operands = _linear_operands(proj, x) if _dual_gemm_applies(x) else None
+    if operands and operands[0].shape[0] % 2 == 0 and not needs_grad(x, *operands):
         weight, bias = operands
         w = weight.chunk(2)
         b = (None, None) if bias is None else bias.chunk(2)

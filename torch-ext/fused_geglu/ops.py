@@ -34,10 +34,30 @@ def _given(**tensors: torch.Tensor | None) -> dict[str, torch.Tensor]:
     return {n: t for n, t in tensors.items() if t is not None}
 
 
+# Tensor types checked and dispatched by the fast paths below; subclasses (DTensor,
+# FakeTensor, user subclasses) take the full checks and the dispatcher.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def check_tensors(op: str, dtensors: bool = False, **tensors: torch.Tensor) -> None:
     """Dense tensors of one dtype on one device, a supported dtype, a device Triton can
     run on; DTensors only where ``dtensors`` (the op has a sharding rule). Messages name
     every tensor's shape, dtype and device (built only on error)."""
+    first = next(iter(tensors.values()))
+    if type(first) in _PLAIN_TENSORS:  # the common case, in a few attribute reads
+        dtype, device = first.dtype, first.device
+        if (
+            dtype in SUPPORTED_DTYPES
+            and kernels_run_on(device)
+            and all(
+                type(t) in _PLAIN_TENSORS
+                and t.dtype == dtype
+                and t.device == device
+                and t.layout == torch.strided
+                for t in tensors.values()
+            )
+        ):
+            return
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(
@@ -138,30 +158,29 @@ def _eager_function(impl, setup_context, autograd, backward_impl):
 
 
 def _dispatched(t: torch.Tensor) -> bool:
-    """Whether the call must go through the dispatcher: under torch.compile or on a
-    meta/fake tensor (only the custom op's fake applies), or on a DTensor (its sharding
-    rule runs the op on the local shards)."""
+    """Whether the call must go through the dispatcher: under torch.compile, on a meta
+    tensor or a tensor subclass (a FakeTensor: only the custom op's fake applies; a
+    DTensor: its sharding rule runs the op on the local shards)."""
     return (
         torch.compiler.is_compiling()
+        or type(t) not in _PLAIN_TENSORS
         or t.device.type == "meta"
-        or isinstance(t, torch._subclasses.FakeTensor)
-        or is_dtensor(t)
     )
 
 
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records a call on ``tensors`` (None for an absent bias)."""
     return torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in tensors
     )
 
 
-def _call(op, eager, needs_grad: bool, *args):
+def _call(op, eager, grad: bool, *args):
     """``op(*args)``: the custom op when dispatched; else the eager Function, or with nothing
-    to differentiate (``needs_grad`` False: inference) the implementation alone."""
+    to differentiate (``grad`` False: inference) the implementation alone."""
     if _dispatched(args[0]):
         return op(*args)
-    run = eager.apply if needs_grad else eager.impl
+    run = eager.apply if grad else eager.impl
     if torch.autograd._profiler_enabled():  # profiles still name the op
         with torch.profiler.record_function(op._qualname):
             return run(*args)
@@ -267,7 +286,7 @@ def geglu(
         )
     if is_dtensor(gate) or is_dtensor(up):
         _register_dtensor_rules()
-    return _call(_geglu, _geglu_eager, _needs_grad(gate, up), gate, up, approximate)
+    return _call(_geglu, _geglu_eager, needs_grad(gate, up), gate, up, approximate)
 
 
 def _gelu_and_mul_impl(out: torch.Tensor, x: torch.Tensor, approximate: str) -> None:
@@ -332,6 +351,21 @@ def _empty(
     return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
 
+def _op_outputs(like: torch.Tensor, *outputs: torch.Tensor | None) -> tuple:
+    """A custom op's outputs: each one not computed (None) as a fresh empty tensor, which
+    the op's schema needs. Eager calls keep the Nones and skip those allocations."""
+    return tuple(_empty(like, 0) if o is None else o for o in outputs)
+
+
+def _linear_forward(x, weight, bias, activation, store_preact):
+    """(y, the pre-activation when ``store_preact`` else None)."""
+    x2 = as_rows(x)
+    y = _empty(x, x2.shape[0], weight.shape[0])
+    preact = _empty(x, *y.shape) if store_preact else None
+    gemm(x2, weight, y, bias1=bias, activation=activation, preact1=preact)
+    return y.view(*x.shape[:-1], weight.shape[0]), preact
+
+
 def _linear_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -339,18 +373,7 @@ def _linear_impl(
     activation: str | None,
     store_preact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x2 = as_rows(x)
-    y = _empty(x, x2.shape[0], weight.shape[0])
-    preact = _empty(x, *y.shape) if store_preact else _empty(x, 0)
-    gemm(
-        x2,
-        weight,
-        y,
-        bias1=bias,
-        activation=activation,
-        preact1=preact if store_preact else None,
-    )
-    return y.view(*x.shape[:-1], weight.shape[0]), preact
+    return _op_outputs(x, *_linear_forward(x, weight, bias, activation, store_preact))
 
 
 _linear = torch.library.custom_op(
@@ -441,7 +464,7 @@ def _linear_autograd(ctx, dy, _dpreact, backward=_linear_backward):
 
 _linear.register_autograd(_linear_autograd, setup_context=_linear_setup_context)
 _linear_eager = _eager_function(
-    _linear_impl, _linear_setup_context, _linear_autograd, _linear_backward_impl
+    _linear_forward, _linear_setup_context, _linear_autograd, _linear_backward_impl
 )
 
 
@@ -504,13 +527,27 @@ def linear(
 
 def _linear_checked(x, weight, bias, activation):
     """``linear`` once its arguments are known to be valid."""
-    grad = _needs_grad(x, weight, bias)
+    grad = needs_grad(x, weight, bias)
     store_preact = grad and activation is not None
     args = (x, weight, bias, activation, store_preact)
     return _call(_linear, _linear_eager, grad, *args)[0]
 
 
 # --- GeGLU dual GEMM --------------------------------------------------------------------
+
+
+def _geglu_linear_forward(x, w_gate, w_up, b_gate, b_up, approximate, store_preact):
+    """(h, gate, up): the pre-activations when ``store_preact``, else None."""
+    x2 = as_rows(x)
+    m, n = x2.shape[0], w_gate.shape[0]
+    h = _empty(x, m, n)
+    gate, up = (_empty(x, m, n), _empty(x, m, n)) if store_preact else (None, None)
+    activation = "gelu_tanh" if approximate == "tanh" else "gelu"
+    gemm(
+        x2, w_gate, h, b2=w_up, bias1=b_gate, bias2=b_up, activation=activation,
+        preact1=gate, preact2=up,
+    )  # fmt: skip
+    return h.view(*x.shape[:-1], n), gate, up
 
 
 def _geglu_linear_impl(
@@ -522,20 +559,12 @@ def _geglu_linear_impl(
     approximate: str,
     store_preact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x2 = as_rows(x)
-    m, n = x2.shape[0], w_gate.shape[0]
-    h = _empty(x, m, n)
-    gate, up = (
-        (_empty(x, m, n), _empty(x, m, n))
-        if store_preact
-        else (_empty(x, 0), _empty(x, 0))
+    return _op_outputs(
+        x,
+        *_geglu_linear_forward(
+            x, w_gate, w_up, b_gate, b_up, approximate, store_preact
+        ),
     )
-    activation = "gelu_tanh" if approximate == "tanh" else "gelu"
-    gemm(
-        x2, w_gate, h, b2=w_up, bias1=b_gate, bias2=b_up, activation=activation,
-        preact1=gate if store_preact else None, preact2=up if store_preact else None,
-    )  # fmt: skip
-    return h.view(*x.shape[:-1], n), gate, up
 
 
 _geglu_linear = torch.library.custom_op(
@@ -626,7 +655,7 @@ _geglu_linear.register_autograd(
     _geglu_linear_autograd, setup_context=_geglu_linear_setup_context
 )
 _geglu_linear_eager = _eager_function(
-    _geglu_linear_impl,
+    _geglu_linear_forward,
     _geglu_linear_setup_context,
     _geglu_linear_autograd,
     _geglu_linear_backward_impl,
@@ -681,7 +710,7 @@ def geglu_linear(
 
 def _geglu_linear_checked(x, w_gate, w_up, b_gate, b_up, approximate):
     """``geglu_linear`` once its arguments are known to be valid."""
-    store_preact = _needs_grad(x, w_gate, w_up, b_gate, b_up)
+    store_preact = needs_grad(x, w_gate, w_up, b_gate, b_up)
     args = (x, w_gate, w_up, b_gate, b_up, approximate, store_preact)
     return _call(_geglu_linear, _geglu_linear_eager, store_preact, *args)[0]
 

@@ -43,20 +43,24 @@ def bench(fn, graph=False):
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def host_us(fn, n=20, repeats=10):
-    """Host time per call: the median over ``repeats`` loops of ``n`` calls of the loop's
-    wall time per call, the GPU drained before each loop. Short loops: a loop that fills
-    the GPU's launch queue waits for the GPU and times it instead of the host."""
-    fn()
-    times = []
+def host_us(fns: dict, n=20, repeats=15) -> dict:
+    """Host time per call of each function: the median over ``repeats`` rounds, each of
+    which times a loop of ``n`` calls of every function in turn (interleaved: the host's
+    drift, large on the H200 host, reaches all of them alike), the GPU drained before each
+    loop. Short loops: a loop that fills the GPU's launch queue waits for the GPU and
+    times it instead of the host."""
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
     for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - t0) / n * 1e6)
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times[name].append((time.perf_counter() - t0) / n * 1e6)
     torch.cuda.synchronize()
-    return statistics.median(times)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def kernels_per_call(fn):
@@ -234,12 +238,13 @@ def mlp(ours):
         x = torch.randn(tokens, hidden, dtype=dt, device="cuda")
         small = tokens <= 64
         row = {}
-        for name, fn in peers.items():
-            with torch.no_grad():
-                row[name] = {"ms": bench(lambda fn=fn: fn(x), graph=small)}
-                if small:
-                    row[name]["host_us"] = host_us(lambda fn=fn: fn(x))
+        calls = {name: (lambda fn=fn: fn(x)) for name, fn in peers.items()}
         with torch.no_grad():
+            for name, call in calls.items():
+                row[name] = {"ms": bench(call, graph=small)}
+            if small:
+                for name, us in host_us(calls).items():
+                    row[name]["host_us"] = us
             row["ours_dual_gemm"]["kernels"] = kernels_per_call(lambda: ours_dual(x))
             row["ours_layer"]["kernels"] = kernels_per_call(lambda: ours_layer(x))
         result["forward"][str(tokens)] = row
@@ -306,15 +311,15 @@ def families(
                 (lambda m=module, layer=layer: layer.forward(m, x)),
             )
             eager_ms, ours_ms = timer(eager), timer(ours_fn)
-            eager_host, ours_host = host_timer(eager), host_timer(ours_fn)
+            hosts = host_timer({"eager": eager, "ours": ours_fn})
         result[name] = {
             "tokens": s(tokens),
             "hidden": hidden,
             "eager_ms": eager_ms,
             "ours_ms": ours_ms,
             "speedup": eager_ms / ours_ms,
-            "eager_host_us": eager_host,
-            "ours_host_us": ours_host,
+            "eager_host_us": hosts["eager"],
+            "ours_host_us": hosts["ours"],
             "max_abs_diff": (ours_out.float() - eager_out.float()).abs().max().item(),
         }
         print(name, result[name], flush=True)

@@ -202,9 +202,11 @@ def launched(fn, trace: Path | None) -> Counter:
         sync()
     if trace is not None:
         prof.export_chrome_trace(str(trace))
-    if HAS_GPU:
+    if HAS_GPU:  # GPU events, less the GPU-side ranges of record_function annotations
         return Counter(
-            e.name for e in prof.events() if e.device_type == DeviceType.CUDA
+            e.name
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation
         )
     return Counter(e.name for e in prof.events() if outermost_op(e))
 

@@ -1,0 +1,104 @@
+"""Host time of one GEMM launch, by part: our wrappers (``geglu_linear``, ``gemm``),
+Triton's ``JITFunction.run`` (``kernel[grid](...)``) and its pieces (the argument binder,
+the cache key), and the compiled kernel's launcher called directly (``ck.run``), for the
+portable kernel at 1 token and the TMA kernel at 2048 tokens (GPU only; prints µs per
+call over 200-call loops). Outputs: benchmarks/results/*-launch-overhead-*.txt.
+
+Usage: python benchmarks/launch_overhead.py (after `make build`)
+"""
+
+import time
+from pathlib import Path
+
+import torch
+from kernels import get_local_kernel
+from triton._C.libtriton import native_specialize_impl
+from triton.runtime.driver import driver
+from triton.runtime.jit import compute_cache_key
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def per_call_us(fn, n=200):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    e = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return e / n * 1e6
+
+
+def main():
+    ours = get_local_kernel(ROOT)
+    g = ours.gemm
+    recorded = {}  # kernel name -> (args, kwargs, compiled kernel) of its last launch
+    for name in ("_gemm_kernel", "_gemm_tma_kernel"):
+        kernel = getattr(g, name)
+
+        def record(*a, _run=kernel.run, _name=name, **kw):
+            compiled = _run(*a, **kw)
+            recorded[_name] = (a, kw, compiled)
+            return compiled
+
+        kernel.run = record
+    for tokens, hidden, inter in ((1, 2048, 16384), (2048, 640, 2560)):
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        wg = torch.randn(inter, hidden, device="cuda", dtype=torch.bfloat16)
+        wu = torch.randn(inter, hidden, device="cuda", dtype=torch.bfloat16)
+        recorded.clear()
+        with torch.no_grad():
+            for _ in range(3):
+                ours.geglu_linear(x, wg, wu)
+            kname = (
+                "_gemm_tma_kernel" if "_gemm_tma_kernel" in recorded else "_gemm_kernel"
+            )
+            a, kw, ck = recorded[kname]
+            k = getattr(g, kname)
+            del k.run  # back to JITFunction.run
+            grid = kw.pop("grid")
+            kw.pop("warmup")
+            dev = driver.active.get_current_device()
+            _, key_cache, _, backend, binder = k.device_caches[dev]
+            bound, spec, opts = binder(*a, **kw)
+            args_all = list(bound.values())
+            stream = driver.active.get_current_stream(dev)
+            nonconst = [v for p, v in zip(k.params, args_all) if not p.is_constexpr]
+            res = {
+                "geglu_linear (all)": lambda: ours.geglu_linear(x, wg, wu),
+                "kernel[grid](...)": lambda: k[grid](*a, **kw),
+                "binder": lambda: binder(*a, **kw),
+                "compute_cache_key": lambda: compute_cache_key(key_cache, spec, opts),
+                "get_current_stream": lambda: driver.active.get_current_stream(dev),
+                "torch current_stream": lambda: torch.cuda.current_stream().cuda_stream,
+                "specialize non-constexpr": lambda: [
+                    native_specialize_impl(backend, v, False, True, True)
+                    for v in nonconst
+                ],
+                "ck.run direct": lambda: ck.run(
+                    grid[0],
+                    1,
+                    1,
+                    stream,
+                    ck.function,
+                    ck.packed_metadata,
+                    None,
+                    None,
+                    None,
+                    *args_all,
+                ),
+                "gemm() wrapper": lambda: g.gemm(  # with its output's allocation
+                    x,
+                    wg,
+                    torch.empty(tokens, inter, device="cuda", dtype=wg.dtype),
+                    b2=wu,
+                    activation="gelu_tanh",
+                ),
+            }
+            print(f"tokens {tokens} {kname} ({len(a)} positional, {len(kw)} kw):")
+            for name, fn in res.items():
+                print(f"  {name:28s} {per_call_us(fn):7.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()

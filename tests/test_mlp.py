@@ -1,5 +1,7 @@
 """The GeGLU dual GEMM and the two-kernel MLP against float64 autograd."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -131,3 +133,32 @@ def test_opcheck_and_compile(fused_geglu, device):
     fn = torch.compile(fused_geglu.geglu_mlp, fullgraph=True)
     torch.testing.assert_close(fn(x, wg, wu, wd), fused_geglu.geglu_mlp(x, wg, wu, wd))
     fn(x, wg, wu, wd).sum().backward()
+
+
+@pytest.mark.parametrize("tokens", [70, 200])
+def test_layer_down_projection_route(fused_geglu, device, monkeypatch, tokens):
+    """After the dual GEMM, the layer projects down with our GEMM where its tiles fill the
+    GPU, else with the module itself (cuBLAS, which splits K); both give the module's
+    result. In the interpreter (4 programs) 70 rows are 3 tiles, 200 rows 7."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    hidden, inter, dtype = 64, 136, torch.float16
+    config = GemmaConfig(
+        hidden_size=hidden, intermediate_size=inter, hidden_act="gelu_pytorch_tanh"
+    )
+    mlp = GemmaMLP(config).to(device, dtype)
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    layers, gemm = fused_geglu.layers, fused_geglu.gemm
+    ours_linear = []
+    real_linear = layers.linear
+    monkeypatch.setattr(
+        layers, "linear", lambda *a: ours_linear.append(1) or real_linear(*a)
+    )
+    with torch.no_grad():
+        out = layers.GeGLUMLP.forward(mlp, x)
+        eager = mlp(x)
+        ref = copy.deepcopy(mlp).double()(x.double())
+    fills = gemm.tma_applies(tokens, x) and gemm.tma_fills_gpu(tokens, hidden, inter, x)
+    assert len(ours_linear) == (gemm.dual_gemm_is_fast(x) and fills)
+    assert_close_to_ref(out, ref, eager)

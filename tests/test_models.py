@@ -116,9 +116,9 @@ def test_training_gradients_match_eager(device, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_half_precision_mlp_paths(fused_geglu, device, family):
     """16-bit plain projections where the TMA kernel runs (the interpreter, Hopper): in
-    inference the layer is our dual GEMM + our down GEMM (the profile names the ops); in
-    training the projections' own forwards + our activation. Both match the float64 module
-    as closely as eager fp16 does, gradients included."""
+    inference the layer is our dual GEMM + our down GEMM where its tiles fill the GPU (the
+    profile names the ops); in training the projections' own forwards + our activation.
+    Both match the float64 module as closely as eager fp16 does, gradients included."""
     from reference import assert_close_to_ref
 
     dtype = torch.float16
@@ -126,7 +126,7 @@ def test_half_precision_mlp_paths(fused_geglu, device, family):
     ours = mlps(kernelized(copy.deepcopy(tiny_model(family, device).to(dtype)), device, Mode.TRAINING))[0]  # fmt: skip
     ours.load_state_dict(eager.state_dict())
     ref = copy.deepcopy(eager).double()
-    x = torch.randn(2, 40, TINY["hidden_size"], dtype=dtype, device=device)
+    x = torch.randn(2, 80, TINY["hidden_size"], dtype=dtype, device=device)
     dy = torch.randn_like(x)
 
     def run(module, grad):
@@ -144,8 +144,16 @@ def test_half_precision_mlp_paths(fused_geglu, device, family):
     (out, _, ops), (out64, _, _), (out16, _, _) = (
         run(m, False) for m in (ours, ref, eager)
     )
-    fused = fused_geglu.gemm.dual_gemm_is_fast(x)
-    assert ("geglu_linear" in ops) == fused and ("linear" in ops) == fused, sorted(ops)
+    gemm, (hidden, inter) = (
+        fused_geglu.gemm,
+        (TINY["hidden_size"], TINY["intermediate_size"]),
+    )
+    fused = gemm.dual_gemm_is_fast(x)
+    # 160 rows down to 64 columns: 5 tiles for 4 programs in the interpreter, 2 for 132 SMs
+    ours_down = fused and gemm.tma_fills_gpu(160, hidden, inter, x)
+    assert ("geglu_linear" in ops) == fused and ("linear" in ops) == ours_down, sorted(
+        ops
+    )
     assert_close_to_ref(out, out64, out16)
     (out, grads, ops), (out64, grads64, _), (out16, grads16, _) = (run(m, True) for m in (ours, ref, eager))  # fmt: skip
     assert "geglu_linear" not in ops and "geglu" in ops, sorted(ops)

@@ -480,6 +480,16 @@ def _launch(
         _COMPILED[key] = (binary, tuple(flags[name] for name in params))
 
 
+def tma_fills_gpu(M: int, N: int, K: int, a: torch.Tensor) -> bool:
+    """Whether a single TMA GEMM with M x N outputs has a tile for every program of its
+    persistent grid (one per SM). With fewer, SMs idle, as the kernel has no split-K:
+    Gemma-2B's down projection at 512 tokens is 32 tiles for 132 SMs, and the MLP ran at
+    0.52 of its roofline there, eager at 0.68 (benchmarks/results/*-report.json)."""
+    cfg = _gemm_config(M, N, K, a.dtype, dual=False, tma=True, extra_tiles=False)
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    return tiles >= _num_programs(a.device)
+
+
 def dual_gemm_is_fast(x: torch.Tensor) -> bool:
     """Whether the GeGLU dual GEMM beats two cuBLAS projections + the fused activation for
     activations ``x``: 16-bit operands where the TMA kernel runs (H200 measurements in

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gemm import dual_gemm_is_fast, tma_applies
+from .gemm import dual_gemm_is_fast, tma_applies, tma_fills_gpu
 from .ops import geglu, geglu_linear, is_dtensor, kernels_run_on, linear, needs_grad
 
 # transformers' tanh-GeLU modules (ACT2FN "gelu_pytorch_tanh", "gelu_python_tanh",
@@ -176,16 +176,16 @@ def _dual_gemm_applies(x: torch.Tensor) -> bool:
 
 
 def _project_down(h: torch.Tensor, proj: nn.Module, fused: bool) -> torch.Tensor:
-    """``proj(h)``; after our dual GEMM, past decode sizes, our TMA GEMM instead: the MLP is
-    then two kernels (cuBLAS adds a memset there) and 2% faster (H200, 8192 tokens). Not
-    under torch.compile: a branch on the token count would recompile at 64 tokens."""
-    if (
-        fused
-        and not torch.compiler.is_compiling()
-        and _plain_linear(proj)
-        and tma_applies(h.shape[:-1].numel(), h)
-    ):
-        return linear(h, proj.weight, proj.bias)
+    """``proj(h)``; after our dual GEMM, where our TMA GEMM's tiles fill the GPU, our GEMM
+    instead: the MLP is then two kernels (cuBLAS adds a memset there) and 2% faster (H200,
+    8192 tokens). Where they do not (fewer tiles than SMs: Gemma-2B's down projection below
+    about 2000 tokens), cuBLAS, which splits K. Not under torch.compile: a branch on the
+    token count would recompile."""
+    if fused and not torch.compiler.is_compiling() and _plain_linear(proj):
+        m = h.shape[:-1].numel()
+        n, k = proj.weight.shape
+        if tma_applies(m, h) and tma_fills_gpu(m, n, k, h):
+            return linear(h, proj.weight, proj.bias)
     return proj(h)
 
 

@@ -15,8 +15,9 @@ STAGES = ["linear_compiled", "mlp_ours_dual_gemm"]
 TOKENS = [1, 16]
 
 
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def load_script(name: str, folder: str = "scripts"):
+    """scripts/<name>.py (or <folder>/<name>.py) as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -119,26 +120,17 @@ def test_report_renders(report_dir):
     assert all(f"| {s} | 16 |" in text for s in STAGES)
 
 
-def load_check_report():
-    spec = importlib.util.spec_from_file_location(
-        "check_report", ROOT / "benchmarks" / "check_report.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_check_report_rows(report_dir, fused_geglu):
     """benchmarks/check_report.py re-times every row of a report (here with CPU wall
     times in place of the GPU timers) and compares each with the report's time."""
-    check_report = load_check_report()
+    check_report = load_script("check_report", "benchmarks")
     report = json.loads((report_dir / "report.json").read_text())
-    timed = []
+    timed, wall_ms = [], load_script("report").wall_ms
 
     def wall(fn, reported_ms):
         assert reported_ms > 0
         timed.append(fn)
-        return [check_report.load_report_module().wall_ms(fn) for _ in range(5)]
+        return [wall_ms(fn) for _ in range(5)]
 
     timers = {
         row["timer"]: wall
@@ -162,7 +154,7 @@ def test_check_report_rows(report_dir, fused_geglu):
 
 def test_check_report_agreement():
     """Agreement is a ratio within max(5%, the independent timing's q20-q80 spread)."""
-    agreement = load_check_report().agreement
+    agreement = load_script("check_report", "benchmarks").agreement
     steady = [1.0] * 8 + [1.01, 0.99]
     assert agreement(1.04, steady)["agrees"] and not agreement(1.06, steady)["agrees"]
     noisy = [0.8, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0, 1.1, 1.2, 1.3]
@@ -174,11 +166,7 @@ def test_check_report_agreement():
 def test_families_benchmark(fused_geglu, device):
     """compare.py's families section on small sizes (a smoke run: one call each instead
     of the GPU timers): every family's layer runs and matches its eager module."""
-    spec = importlib.util.spec_from_file_location(
-        "compare", ROOT / "benchmarks" / "compare.py"
-    )
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
+    compare = load_script("compare", "benchmarks")
     calls = []
 
     def once(fn):

@@ -440,7 +440,7 @@ def _launch(
     key = None
     if direct and all(p is None or p.data_ptr() % 16 == 0 for p in ptrs):
         key = (
-            kernel,
+            id(kernel),  # a JITFunction hashes its source's hash under a lock
             driver.active.get_current_device(),
             flags_key,
             ints,

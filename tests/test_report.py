@@ -111,6 +111,25 @@ def test_report_json(report_dir):
     assert dual["flops"] == 6 * t * h * i
 
 
+def test_report_times_before_profiling(tmp_path, monkeypatch):
+    """Every row is timed before the profiler runs: a process that has profiled runs later
+    kernels slower (benchmarks/NOTES.md, session 5)."""
+    report = load_script("report")
+    calls = []
+    for name, tag in (("device_ms", "time"), ("launched", "profile")):
+        original = getattr(report, name)
+
+        def record(*args, _original=original, _tag=tag, **kwargs):
+            calls.append(_tag)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(report, name, record)
+    args = ["--hidden", "32", "--intermediate", "64", "--dtype", "float32"]
+    args += ["--tokens", "1", "3", "--stages", "linear_eager", "mlp_eager"]
+    assert report.main([*args, "--out", str(tmp_path)]) == 0
+    assert calls == ["time"] * 4 + ["profile"] * 4
+
+
 def test_report_renders(report_dir):
     """A report JSON, as if committed to benchmarks/results/, renders as a table."""
     render = load_script("render_results")

@@ -229,3 +229,108 @@ def test_direct_launch(fused_geglu, device, monkeypatch, tokens):
     for expected_runs in (3, 4):  # 2 bytes off 16-byte alignment: never direct
         check(buf[1:].view(tokens, hidden))
         assert len(runs) == expected_runs
+
+
+# Decode shapes with fewer output tiles than half the SMs: K is split (under the
+# interpreter the grid counts 4 SMs; on the H200 the down projection of Gemma-2B).
+SPLIT_SHAPES = [(1, 64, 1000), (5, 40, 1200), (16, 100, 2047)]
+SPLIT_SHAPES_GPU = [(1, 2048, 16384), (16, 2048, 16384), (7, 300, 5000)]
+
+
+def split_k_of(gemm, a, n, dual):
+    m, k = a.shape
+    cfg = gemm._gemm_config(m, n, k, a.dtype, dual, False, False)
+    tiles = gemm.cdiv(m, cfg["BLOCK_M"]) * gemm.cdiv(n, cfg["BLOCK_N"])
+    return gemm._split_k(
+        tiles, gemm.cdiv(k, cfg["BLOCK_K"]), gemm._num_programs(a.device)
+    )
+
+
+@pytest.mark.parametrize(
+    "mnk", SPLIT_SHAPES + (SPLIT_SHAPES_GPU if HAS_GPU else []), ids=str
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", ["bias_gelu", "dual_bias", "add_c", "dual_preact"])
+def test_split_k(fused_geglu, device, mnk, dtype, variant):
+    """Split-K against float64: every epilogue after the reduction, an uneven last slice
+    (K not a multiple of the slices' tiles); bitwise the same on a second launch (the
+    slices are added in a fixed order); the tile counters back at zero."""
+    gemm = fused_geglu.gemm
+    m, n, k = mnk
+    dual = variant.startswith("dual")
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b1, b2 = (torch.randn(n, k, dtype=dtype, device=device) / k**0.5 for _ in range(2))
+    bias1, bias2 = (torch.randn(n, dtype=dtype, device=device) for _ in range(2))
+    assert split_k_of(gemm, a, n, dual) > 1
+    c0 = torch.randn(m, n, dtype=dtype, device=device)
+    kwargs, pre = {}, None
+    if variant == "bias_gelu":
+        kwargs = {"bias1": bias1, "activation": "gelu"}
+        ref = F.gelu(F.linear(a.double(), b1.double(), bias1.double()))
+        eager = F.gelu(F.linear(a, b1, bias1))
+    elif variant == "add_c":
+        kwargs = {"add_c": True}
+        ref = c0.double() + a.double() @ b1.double().T
+        eager = c0 + F.linear(a, b1)
+    else:
+        kwargs = {"b2": b2, "bias1": bias1, "bias2": bias2, "activation": "gelu_tanh"}
+        gate, up = F.linear(a, b1, bias1), F.linear(a, b2, bias2)
+        ref = geglu_ref(
+            F.linear(a.double(), b1.double(), bias1.double()),
+            F.linear(a.double(), b2.double(), bias2.double()),
+            "tanh",
+        )
+        eager = F.gelu(gate, approximate="tanh") * up
+        if variant == "dual_preact":
+            pre = [poisoned((m, n), dtype, device) for _ in range(2)]
+            kwargs |= {"preact1": pre[0], "preact2": pre[1]}
+    outs = []
+    for _ in range(2):
+        c = c0.clone() if variant == "add_c" else poisoned((m, n), dtype, device)
+        gemm.gemm(a, b1, c, **kwargs)
+        outs.append(c)
+    assert_close_to_ref(outs[0], ref, eager)
+    assert torch.equal(outs[0], outs[1])
+    if pre is not None:
+        assert_close_to_ref(
+            pre[0], F.linear(a.double(), b1.double(), bias1.double()), gate
+        )
+        assert_close_to_ref(
+            pre[1], F.linear(a.double(), b2.double(), bias2.double()), up
+        )
+    for counters in gemm._SPLIT_K_COUNTERS.values():
+        assert not counters.any()
+
+
+@pytest.mark.gpu
+def test_split_k_cuda_graph_and_streams(fused_geglu, device):
+    """A captured split-K launch replays correctly with new inputs, and launches on two
+    streams at once count on separate counters."""
+    gemm = fused_geglu.gemm
+    m, n, k, dtype = 1, 2048, 16384, torch.bfloat16
+    w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    assert split_k_of(gemm, a, n, False) > 1
+    c = poisoned((m, n), dtype, device)
+    gemm.gemm(a, w, c)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm.gemm(a, w, c)
+    for _ in range(3):
+        a.copy_(torch.randn_like(a))
+        c.fill_(float("nan"))
+        graph.replay()
+        assert_close_to_ref(c, a.double() @ w.double().T, F.linear(a, w))
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    xs = [torch.randn(m, k, dtype=dtype, device=device) for _ in streams]
+    cs = [poisoned((m, n), dtype, device) for _ in streams]
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for s, x, out in zip(streams, xs, cs):
+            with torch.cuda.stream(s):
+                gemm.gemm(x, w, out)
+    torch.cuda.synchronize()
+    for x, out in zip(xs, cs):
+        assert_close_to_ref(out, x.double() @ w.double().T, F.linear(x, w))
+    for counters in gemm._SPLIT_K_COUNTERS.values():
+        assert not counters.any()

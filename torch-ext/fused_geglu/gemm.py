@@ -13,6 +13,10 @@ its strides, so transposes are free. Constexpr flags select the fused work:
   SUM_A        the programs of the first N-tile column also reduce A over K (rows of
                dY^T), giving the bias gradient inside the weight-gradient GEMM
   ADD_C        C += result (accumulating a second product into dX)
+  SPLIT_K      (portable kernel) programs per output tile, each summing a slice of K into
+               an fp32 workspace; the last to finish adds the slices in a fixed order
+               (deterministic) and applies the epilogue: decode shapes with fewer output
+               tiles than SMs (the down projection) stream their weights with every SM
 """
 
 import functools
@@ -102,6 +106,40 @@ def _epilogue(
         return acc1
 
 
+@triton.jit
+def _split_k_reduce(
+    acc1, acc2, ws_ptr, counters_ptr, tile, split,
+    DUAL: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Stores this program's partial tile(s) in the workspace and counts it in; the last of
+    the tile's SPLIT_K programs gets the sums over the slices, in slice order, and
+    ``is_last``. It also resets the tile's counter, so the counters are zero again for the
+    next launch (in CUDA graphs too)."""
+    accs: tl.constexpr = 2 if DUAL else 1
+    size: tl.constexpr = BLOCK_M * BLOCK_N
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    ws_tile = ws_ptr + tile.to(tl.int64) * (SPLIT_K * accs * size)
+    tl.store(ws_tile + split * (accs * size) + offs, acc1)
+    if DUAL:
+        tl.store(ws_tile + split * (accs * size) + size + offs, acc2)
+    # Every thread's stores, then one release at GPU scope; the last program's acquire
+    # makes all slices visible to it (loads through L2: .cg).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
+    is_last = arrived == SPLIT_K - 1
+    if is_last:
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc1 += tl.load(ws_tile + s * (accs * size) + offs, cache_modifier=".cg")
+            if DUAL:
+                acc2 += tl.load(
+                    ws_tile + s * (accs * size) + size + offs, cache_modifier=".cg"
+                )
+        tl.atomic_xchg(counters_ptr + tile, 0)
+    return acc1, acc2, is_last
+
+
 # M is specialised like N and K (== 1, % 16 == 0, other): at most three compilations per
 # configuration across token counts, and the divisibility lets masked loads of transposed
 # operands vectorise.
@@ -117,6 +155,8 @@ def _gemm_kernel(
     pre2_ptr,  # [M, N] contiguous (STORE_PREACT and DUAL)
     z_ptr,  # [M, K] (A_GRAD_ACT)
     sum_a_ptr,  # [M] fp32 (SUM_A)
+    ws_ptr,  # fp32 [tiles, SPLIT_K, 1 or 2, BLOCK_M, BLOCK_N] (SPLIT_K > 1)
+    counters_ptr,  # int32 [>= tiles], zero (SPLIT_K > 1)
     M,
     N,
     K,
@@ -139,6 +179,7 @@ def _gemm_kernel(
     A_GRAD_ACT: tl.constexpr,  # 0, or the ACTIVATION code whose derivative A gets
     SUM_A: tl.constexpr,
     ADD_C: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -146,12 +187,19 @@ def _gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """Portable path: pointer loads through any strides, one output tile per program."""
+    """Portable path: pointer loads through any strides, SPLIT_K programs per output tile
+    (adjacent program ids: they finish together)."""
     dtype = c_ptr.dtype.element_ty
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tile = tl.program_id(0) // SPLIT_K
+    split = tl.program_id(0) % SPLIT_K
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    k_first = split * per_split  # this program's K-tiles: [k_first, k_end)
+    k_end = min(k_first + per_split, k_tiles)
+    pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = k_first.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
     # Masked loads, not clamped indices: clamping hides the contiguity of a transposed
@@ -162,11 +210,12 @@ def _gemm_kernel(
         b2_ptrs = b2_ptr + offs_n[None, :] * stride_b2n + offs_k[:, None] * stride_b2k
     if A_GRAD_ACT != 0:
         z_ptrs = z_ptr + offs_m[:, None] * stride_zm + offs_k[None, :] * stride_zk
+    offs_k = tl.arange(0, BLOCK_K)
 
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k in range(tl.cdiv(K, BLOCK_K)):
+    for k in range(k_first, k_end):
         if EVEN_K:
             a_mask = mask_m[:, None]
             b_mask = mask_n[None, :]
@@ -191,17 +240,24 @@ def _gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b1_ptrs += BLOCK_K * stride_b1k
 
-    if SUM_A and pid_n == 0:
+    if SUM_A and pid_n == 0:  # (SPLIT_K == 1)
         tl.store(sum_a_ptr + offs_m, row_sum, mask=mask_m)
-    out = _epilogue(
-        acc1, acc2, offs_m, offs_n, M, N, bias1_ptr, bias2_ptr, stride_bias1, stride_bias2,
-        pre1_ptr, pre2_ptr, dtype, HAS_BIAS, DUAL, ACTIVATION, STORE_PREACT,
-    )  # fmt: skip
-    mask = mask_m[:, None] & mask_n[None, :]
-    c_offs = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    if ADD_C:
-        out = out.to(tl.float32) + tl.load(c_ptr + c_offs, mask=mask).to(tl.float32)
-    tl.store(c_ptr + c_offs, out.to(dtype), mask=mask)
+    if SPLIT_K > 1:
+        acc1, acc2, is_last = _split_k_reduce(
+            acc1, acc2, ws_ptr, counters_ptr, tile, split, DUAL, SPLIT_K, BLOCK_M, BLOCK_N
+        )  # fmt: skip
+    else:
+        is_last = True
+    if is_last:
+        out = _epilogue(
+            acc1, acc2, offs_m, offs_n, M, N, bias1_ptr, bias2_ptr, stride_bias1,
+            stride_bias2, pre1_ptr, pre2_ptr, dtype, HAS_BIAS, DUAL, ACTIVATION, STORE_PREACT,
+        )  # fmt: skip
+        mask = mask_m[:, None] & mask_n[None, :]
+        c_offs = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        if ADD_C:
+            out = out.to(tl.float32) + tl.load(c_ptr + c_offs, mask=mask).to(tl.float32)
+        tl.store(c_ptr + c_offs, out.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -313,8 +369,7 @@ def _gemm_config(
 
     Interpreter: moderate tiles (numpy does the work; fewer programs run faster).
     M <= 64 (decode): weight streaming; one row tile holds every token so each weight
-    tile is read once; narrow N tiles for narrow outputs so that there are more programs
-    than SMs, long K tiles to keep weight loads in flight.
+    tile is read once; narrow outputs (fewer tiles than SMs) split K (_split_k).
     TMA (Hopper/Blackwell, 16-bit, M > 64): 128x256x64 tiles, 8 warps, 3 stages (4
     overflow shared memory); dual: a 128x(2x128) accumulator. ``extra_tiles`` (the
     backward's A_GRAD_ACT prologue reads Z, ADD_C reads C, a single GEMM stores its
@@ -333,12 +388,7 @@ def _gemm_config(
         }
     wide = dtype != torch.float32
     if M <= 16:
-        if dual:
-            block_n, block_k, warps = 128, 128, 8
-        elif N <= 4096:
-            block_n, block_k, warps = 16, 256, 4
-        else:
-            block_n, block_k, warps = 64, 128, 4
+        block_n, block_k, warps = (128, 128, 8) if dual else (64, 128, 4)
         return {
             "BLOCK_M": 16,
             "BLOCK_N": block_n,
@@ -350,7 +400,7 @@ def _gemm_config(
     if M <= 64:  # one row tile covers all tokens: each weight tile is read once
         return {
             "BLOCK_M": 32 if M <= 32 else 64,
-            "BLOCK_N": 32 if N <= 4096 else 64,
+            "BLOCK_N": 32 if dual and N <= 4096 else 64,
             "BLOCK_K": 128 if wide else 64,
             "GROUP_M": 1,
             "num_warps": 4,
@@ -382,6 +432,50 @@ def _gemm_config(
         "num_warps": 8 if dual else 4,
         "num_stages": 3 if dual else 4,
     }
+
+
+# Split-K: each program sums at least this many K-tiles (shorter loops barely pipeline).
+_MIN_K_TILES_PER_SPLIT = 4
+_MAX_SPLIT_K = 8
+
+
+def _split_k(tiles: int, k_tiles: int, programs: int) -> int:
+    """Programs per output tile for a decode GEMM: doubled while the grid stays within one
+    program per SM. Gemma-2B's down projection, 32 tiles of 64 columns, split 4: 21-23 us
+    at 1 to 16 tokens against 29-31 unsplit, 25 against 28 (split 2, 32-column tiles) at 64
+    (H200, CUDA-graph replay; cuBLAS 20-23, also split-K; benchmarks/NOTES.md)."""
+    split = 1
+    while (
+        split < _MAX_SPLIT_K
+        and 2 * split * tiles <= programs
+        and k_tiles >= 2 * split * _MIN_K_TILES_PER_SPLIT
+    ):
+        split *= 2
+    return split
+
+
+# Split-K tile counters per (device, stream), zero between launches: the last program of
+# each tile resets its own. Launches on one stream run in order, so they share them.
+_SPLIT_K_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _split_k_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed counters for a split launch, one per SM (a split launch has fewer tiles)."""
+    size = _num_programs(device)
+    if device.type != "cuda":
+        key = (device, 0)
+    elif torch.cuda.is_current_stream_capturing():
+        # A graph's own (a memset node): it may replay on any stream, beside other work
+        # of the capture stream, and counters made during a capture are zeroed only by
+        # that graph's replays.
+        return torch.zeros(size, dtype=torch.int32, device=device)
+    else:
+        key = (device, driver.active.get_current_stream(device.index))
+    counters = _SPLIT_K_COUNTERS.get(key)
+    if counters is None:
+        counters = torch.zeros(size, dtype=torch.int32, device=device)
+        _SPLIT_K_COUNTERS[key] = counters
+    return counters
 
 
 @functools.cache
@@ -637,13 +731,22 @@ def gemm(
         return
     if tma:  # Hopper, but an operand TMA cannot describe: the portable tiles
         cfg = _gemm_config(M, N, K, a.dtype, dual, False, extra_tiles)
-    flags |= {"EVEN_K": K % cfg["BLOCK_K"] == 0}
-    flags |= {"INPUT_PRECISION": _input_precision(a.dtype), **cfg}
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    split = 1
+    if M <= 64 and sum_a is None:  # decode shapes; SUM_A's row sums are not split
+        split = _split_k(tiles, cdiv(K, cfg["BLOCK_K"]), _num_programs(a.device))
+    ws = counters = None
+    if split > 1:
+        accs = 2 if dual else 1
+        ws_size = tiles * split * accs * cfg["BLOCK_M"] * cfg["BLOCK_N"]
+        ws = torch.empty(ws_size, dtype=torch.float32, device=a.device)
+        counters = _split_k_counters(a.device)
+    flags |= {"SPLIT_K": split, "EVEN_K": K % cfg["BLOCK_K"] == 0}
+    flags |= {"INPUT_PRECISION": _input_precision(a.dtype), **cfg}
     none2 = (None, None)
-    ptrs = (a, b1, b2, bias1, bias2, c, preact1, preact2, z, sum_a)
+    ptrs = (a, b1, b2, bias1, bias2, c, preact1, preact2, z, sum_a, ws, counters)
     ints = (
         M, N, K, *a.stride(), *b1.stride(), *(none2 if b2 is None else b2.stride()),
         *c.stride(), *(none2 if z is None else z.stride()), *bias_strides,
     )  # fmt: skip
-    _launch(_gemm_kernel, tiles, (), ptrs, ints, flags)
+    _launch(_gemm_kernel, tiles * split, (), ptrs, ints, flags)

@@ -159,7 +159,11 @@ def _linear_operands(m: nn.Module, x: torch.Tensor) -> tuple | None:
     """``(weight, bias)`` of x's dtype such that, in inference, ``m(x)`` is
     ``F.linear(x, weight, bias)``: a plain ``nn.Linear``'s own parameters, or a
     tensor-parallel column-wise shard's; None for anything else."""
-    operands = (m.weight, m.bias) if _plain_linear(m) else _tp_colwise_shards(m)
+    if _unwrapped_linear(m) and "forward" not in m.__dict__:  # _plain_linear, inlined:
+        weight, bias = m.weight, m.bias  # module attributes cost ~1 us each per call
+        if not is_dtensor(weight):
+            return (weight, bias) if weight.dtype == x.dtype else None
+    operands = _tp_colwise_shards(m)
     return operands if operands and operands[0].dtype == x.dtype else None
 
 
@@ -182,10 +186,12 @@ def _project_down(h: torch.Tensor, proj: nn.Module, fused: bool) -> torch.Tensor
     about 2000 tokens), cuBLAS, which splits K. Not under torch.compile: a branch on the
     token count would recompile."""
     if fused and not torch.compiler.is_compiling() and _plain_linear(proj):
+        weight, bias = proj.weight, proj.bias
         m = h.shape[:-1].numel()
-        n, k = proj.weight.shape
+        n, k = weight.shape
         if tma_applies(m, h) and tma_fills_gpu(m, n, k, h):
-            return linear(h, proj.weight, proj.bias)
+            return linear(h, weight, bias)
+        return F.linear(h, weight, bias)  # proj(h) without the module call's host time
     return proj(h)
 
 

@@ -162,12 +162,10 @@ def device_ms(fn, cudagraph: bool) -> tuple[float, str]:
         return statistics.median(wall_ms(fn) for _ in range(3)), "CPU wall, median of 3"
     from triton.testing import do_bench, do_bench_cudagraph
 
-    if (
-        cudagraph
-    ):  # replay a CUDA graph: neither host time nor launch gaps pose as GPU time
-        return do_bench_cudagraph(
-            fn, rep=100, return_mode="median"
-        ), "do_bench_cudagraph"
+    # Replaying a CUDA graph, neither host time nor launch gaps pose as GPU time.
+    if cudagraph:
+        ms = do_bench_cudagraph(fn, rep=100, return_mode="median")
+        return ms, "do_bench_cudagraph"
     return do_bench(fn, warmup=25, rep=100, return_mode="median"), "do_bench"
 
 

@@ -103,15 +103,15 @@ def _unwrapped_linear(m: nn.Module) -> bool:
     return type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
 
 
-def _plain_linear(m: nn.Module) -> bool:
-    """An unwrapped ``nn.Linear`` that computes exactly ``F.linear`` on local tensors: no
-    instance-level ``forward`` (patched, kernelized or tensor-parallel), no DTensor weight
-    (sharded: its forward needs collectives)."""
-    return (
-        _unwrapped_linear(m)
-        and "forward" not in m.__dict__
-        and not is_dtensor(m.weight)
-    )
+def _plain_linear_operands(m: nn.Module) -> tuple | None:
+    """``(weight, bias)`` of an unwrapped ``nn.Linear`` that computes exactly ``F.linear``
+    on local tensors: no instance-level ``forward`` (patched, kernelized or
+    tensor-parallel), no DTensor weight (sharded: its forward needs collectives); else
+    None. Each module attribute is read once: ~1 us apiece per call."""
+    if not _unwrapped_linear(m) or "forward" in m.__dict__:
+        return None
+    weight = m.weight
+    return None if is_dtensor(weight) else (weight, m.bias)
 
 
 def _tp_colwise_shards(m: nn.Module) -> tuple | None:
@@ -159,11 +159,7 @@ def _linear_operands(m: nn.Module, x: torch.Tensor) -> tuple | None:
     """``(weight, bias)`` of x's dtype such that, in inference, ``m(x)`` is
     ``F.linear(x, weight, bias)``: a plain ``nn.Linear``'s own parameters, or a
     tensor-parallel column-wise shard's; None for anything else."""
-    if _unwrapped_linear(m) and "forward" not in m.__dict__:  # _plain_linear, inlined:
-        weight, bias = m.weight, m.bias  # module attributes cost ~1 us each per call
-        if not is_dtensor(weight):
-            return (weight, bias) if weight.dtype == x.dtype else None
-    operands = _tp_colwise_shards(m)
+    operands = _plain_linear_operands(m) or _tp_colwise_shards(m)
     return operands if operands and operands[0].dtype == x.dtype else None
 
 
@@ -185,8 +181,11 @@ def _project_down(h: torch.Tensor, proj: nn.Module, fused: bool) -> torch.Tensor
     8192 tokens). Where they do not (fewer tiles than SMs: Gemma-2B's down projection below
     about 2000 tokens), cuBLAS, which splits K. Not under torch.compile: a branch on the
     token count would recompile."""
-    if fused and not torch.compiler.is_compiling() and _plain_linear(proj):
-        weight, bias = proj.weight, proj.bias
+    operands = None
+    if fused and not torch.compiler.is_compiling():
+        operands = _plain_linear_operands(proj)
+    if operands:
+        weight, bias = operands
         m = h.shape[:-1].numel()
         n, k = weight.shape
         if tma_applies(m, h) and tma_fills_gpu(m, n, k, h):

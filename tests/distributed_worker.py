@@ -318,6 +318,10 @@ def main() -> None:
         for line, run in checks[check]:
             run()
             print(f"rank {dist.get_rank()}: {line} ok", flush=True)
+        # Both ranks done before either tears down: a rank whose peer had already exited
+        # aborted in gloo's teardown ("terminate called without an active exception").
+        # Not after a failure: the other rank may be waiting in another collective.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

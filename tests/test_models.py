@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import HAS_GPU, ROOT
 from kernels import (
     LocalLayerRepository,
     Mode,
@@ -144,13 +144,11 @@ def test_half_precision_mlp_paths(fused_geglu, device, family):
     (out, _, ops), (out64, _, _), (out16, _, _) = (
         run(m, False) for m in (ours, ref, eager)
     )
-    gemm, (hidden, inter) = (
-        fused_geglu.gemm,
-        (TINY["hidden_size"], TINY["intermediate_size"]),
-    )
-    fused = gemm.dual_gemm_is_fast(x)
-    # 160 rows down to 64 columns: 5 tiles for 4 programs in the interpreter, 2 for 132 SMs
-    ours_down = fused and gemm.tma_fills_gpu(160, hidden, inter, x)
+    # The expected route, by an independent table: the dual GEMM where the TMA kernel runs
+    # (the interpreter, Hopper/Blackwell); 160 rows down to 64 columns are 5 tiles of 32 x
+    # 64 for the interpreter's 4 programs (ours), 2 tiles of 128 x 256 for 132 SMs (cuBLAS).
+    fused = not HAS_GPU or torch.cuda.get_device_capability()[0] in (9, 10)
+    ours_down = not HAS_GPU
     assert ("geglu_linear" in ops) == fused and ("linear" in ops) == ours_down, sorted(
         ops
     )
@@ -171,11 +169,13 @@ def test_greedy_generate_same_tokens(device, family):
     assert torch.equal(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs))
 
 
-def test_unsupported_activation_is_refused(device):
+def test_unsupported_activation_runs_own_forward(device):
+    """A non-GeLU activation: the module's own forward (eager's logits) and a warning."""
     eager = tiny_model("gemma2", device, hidden_activation="silu")
     ours = kernelized(copy.deepcopy(eager), device, Mode.INFERENCE)
-    with pytest.raises(ValueError, match="SiLUActivation"):
-        ours(inputs(device))
+    with pytest.warns(RuntimeWarning, match="SiLUActivation.*not a GeLU"):
+        got = ours(inputs(device)).logits
+    torch.testing.assert_close(got, eager(inputs(device)).logits, rtol=0, atol=0)
 
 
 def test_saved_checkpoint_then_kernelize(device, tmp_path):

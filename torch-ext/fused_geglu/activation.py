@@ -1,4 +1,5 @@
-"""GeGLU activation: the GeLU math shared by every kernel, and the elementwise kernels.
+"""GeGLU activation (device code): the GeLU math shared by every kernel, and the elementwise
+kernels. Their host side is elementwise.py.
 
 GeLU variants (``APPROX_TANH`` picks one at compile time):
   exact: gelu(x) = 0.5 * x * (1 + erf(x / sqrt(2)))
@@ -18,7 +19,6 @@ product's gradient ``dy * up`` is rounded before ``gelu'`` is applied.
 
 import math
 
-import torch
 import triton
 import triton.language as tl
 
@@ -28,14 +28,6 @@ SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
 INV_SQRT_2 = tl.constexpr(1.0 / math.sqrt(2.0))
 INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
 GELU_TANH_K1 = tl.constexpr(0.044715)
-# triton.jit picks the interpreter when a kernel is defined; read the knob once, here.
-INTERPRETED = triton.knobs.runtime.interpret
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division on the host (triton.cdiv is a constexpr function in recent Triton,
-    whose Python call costs microseconds per launch)."""
-    return -(-a // b)
 
 
 @triton.jit
@@ -112,7 +104,7 @@ def _tile_offsets(
 
 
 @triton.jit(do_not_specialize=["M"])
-def _geglu_fwd_kernel(
+def geglu_fwd_kernel(
     gate_ptr,  # [M, N]
     up_ptr,  # [M, N]
     out_ptr,  # [M, N]
@@ -147,7 +139,7 @@ def _geglu_fwd_kernel(
 
 
 @triton.jit(do_not_specialize=["M"])
-def _geglu_bwd_kernel(
+def geglu_bwd_kernel(
     dout_ptr,  # [M, N]
     gate_ptr,  # [M, N]
     up_ptr,  # [M, N]
@@ -194,106 +186,3 @@ def _geglu_bwd_kernel(
     dgate = dact * gelu_grad(gate, APPROX_TANH)
     tl.store(dgate_ptr + offs_o, dgate.to(dtype), mask=mask)
     tl.store(dup_ptr + offs_o, dup.to(dtype), mask=mask)
-
-
-def _elementwise_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for an [M, N] elementwise pass.
-
-    A row tile spans up to 16 bytes x 32 lanes x 8 warps (2048 bf16 / 1024 fp32 columns),
-    so every load is a 16-byte vector; rows are stacked until a program streams ~8192
-    elements. For strided operands (contiguous ones take FLAT_BLOCK); H200, 8192 x 16384
-    bf16 halves of one [M, 2N] tensor: within 1% of the best of four candidates
-    (benchmarks/results/*-tune.json), and the best backward of seven in session 1's sweep.
-    """
-    vec = 16 // elem_bytes
-    block_n = min(
-        1 << (max(n_cols, 1) - 1).bit_length(), vec * 32 * 8
-    )  # next power of 2
-    block_m = max(1, 8192 // block_n)
-    return block_m, block_n, 8
-
-
-# Contiguous operands are processed as one long row in 1024-element tiles with 4 warps
-# (two 16-byte vectors per thread in 16-bit dtypes): 0.189 ms forward on 8192 x 16384 bf16,
-# copy rate, against 0.191-0.194 ms for row tiles (H200, benchmarks/results/*-tune.json).
-# The interpreter pays per program, not per element: larger tiles there.
-FLAT_BLOCK, FLAT_WARPS = (16384 if INTERPRETED else 1024), 4
-
-
-def _elementwise_launch(*rows: torch.Tensor) -> tuple[tuple[int], dict]:
-    """Grid and launch arguments for [M, N] views ``rows``: when all are contiguous, the
-    caller passes them as one row (``flat``); otherwise row tiles through their strides."""
-    M, N = rows[0].shape
-    flat = all(t.is_contiguous() for t in rows)
-    if flat:
-        M, N = 1, M * N
-        block_m, block_n, num_warps = 1, FLAT_BLOCK, FLAT_WARPS
-        strides = [(0, 1)] * len(rows)
-    else:
-        block_m, block_n, num_warps = _elementwise_config(N, rows[0].element_size())
-        strides = [t.stride() for t in rows]
-    grid_m, grid_n = cdiv(M, block_m), cdiv(N, block_n)
-    # Largest offset a program can form (masked lanes included) against int32's range.
-    reach = max(
-        grid_m * block_m * abs(sm) + grid_n * block_n * abs(sn) for sm, sn in strides
-    )
-    meta = {
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "INT64": reach >= 2**31,
-        "num_warps": num_warps,
-    }
-    return (grid_m * grid_n,), (M, N, [s for st in strides for s in st]), meta
-
-
-def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
-    """A 2-D [rows, cols] view of ``t`` over its leading dims, or None when their strides
-    cannot be expressed as one row stride (e.g. a permuted batch)."""
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return None
-
-
-def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """2-D rows of an input; copies only in the case ``_rows_view`` cannot express."""
-    if t.shape[-1] == 0:
-        return t.reshape(t.shape[:-1].numel(), 0)
-    rows = _rows_view(t)
-    return rows if rows is not None else t.reshape(-1, t.shape[-1])
-
-
-def geglu_fwd(
-    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, approximate: str
-) -> None:
-    """out = round(gelu(gate)) * up; the three tensors share a shape, ``out`` may be any view."""
-    if gate.numel() == 0:
-        return
-    g, u, o = as_rows(gate), as_rows(up), _rows_view(out)
-    if o is None:
-        tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        geglu_fwd(gate, up, tmp, approximate)
-        out.copy_(tmp)
-        return
-    grid, (m, n, strides), meta = _elementwise_launch(g, u, o)
-    _geglu_fwd_kernel[grid](
-        g, u, o, m, n, *strides, APPROX_TANH=approximate == "tanh", **meta
-    )  # fmt: skip
-
-
-def geglu_bwd(
-    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d gate, d up) of out = gelu(gate) * up, both contiguous and shaped like ``gate``."""
-    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    dup = torch.empty_like(dgate)
-    if gate.numel() == 0:
-        return dgate, dup
-    d, g, u = as_rows(dout), as_rows(gate), as_rows(up)
-    M, N = g.shape
-    # dgate is passed for the flat/int64 decisions only: the outputs are contiguous.
-    grid, (m, n, strides), meta = _elementwise_launch(d, g, u, dgate.view(M, N))
-    _geglu_bwd_kernel[grid](
-        d, g, u, dgate, dup, m, n, *strides[:6], APPROX_TANH=approximate == "tanh", **meta
-    )  # fmt: skip
-    return dgate, dup

@@ -1,0 +1,167 @@
+"""Autograd: one ``torch.autograd.Function`` per differentiable op, over the kernel ops of
+library.py, and the PyTorch formulas that define each op.
+
+- Backward computes only the gradients ``ctx.needs_input_grad`` asks for: a frozen weight
+  costs no weight-gradient GEMM.
+- Double backward (``create_graph=True``): backward then differentiates the op's PyTorch
+  formula from the saved inputs, so second derivatives are eager's, not zero.
+- ``torch.func`` transforms (grad, vmap, jacrev, ...) and forward-mode AD run the PyTorch
+  formula itself (``apply`` below): it is the op's definition, and PyTorch's own rules
+  cover it. Kernels do not run there.
+- The Functions take ``ctx`` in ``forward`` (no ``setup_context``): ``apply`` then skips
+  binding the arguments through ``inspect.signature`` on every call.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import forward_ad
+
+from . import library
+from .gemm import GELU_TANH, NO_ACT
+
+
+def _approximate(activation: int) -> str:
+    return "tanh" if activation == GELU_TANH else "none"
+
+
+def geglu_formula(gate, up, approximate):
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def linear_formula(x, weight, bias, activation):
+    y = F.linear(x, weight, bias)
+    return (
+        y if activation == NO_ACT else F.gelu(y, approximate=_approximate(activation))
+    )
+
+
+def geglu_linear_formula(x, w_gate, w_up, b_gate, b_up, approximate):
+    gate = F.linear(x, w_gate, b_gate)
+    return F.gelu(gate, approximate=approximate) * F.linear(x, w_up, b_up)
+
+
+def transforms_active() -> bool:
+    """Whether a torch.func transform or a forward-mode AD level is active (Dynamo does
+    not trace the query; torch.compile over torch.func is left to the kernels)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
+
+
+def _differentiable_grads(formula, inputs: tuple, needs: tuple, grad_out):
+    """The gradients of ``formula(*inputs)`` as a graph of PyTorch ops (double backward):
+    the saved inputs are the originals, so the result differentiates again."""
+    wrt = [t for t, need in zip(inputs, needs) if need]
+    with torch.enable_grad():
+        out = formula(*inputs)
+    grads = iter(torch.autograd.grad(out, wrt, grad_out, create_graph=True))
+    return tuple(next(grads) if need else None for need in needs)
+
+
+class GeGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, approximate):
+        # gelu(gate) is recomputed in backward: only the inputs are kept alive.
+        ctx.save_for_backward(gate, up)
+        ctx.approximate = approximate
+        return library.geglu(gate, up, approximate)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        if torch.is_grad_enabled():
+            inputs = (gate, up, ctx.approximate)
+            return _differentiable_grads(geglu_formula, inputs, needs, dout)
+        dgate, dup = library.geglu_grad(dout, gate, up, ctx.approximate)
+        return dgate if needs[0] else None, dup if needs[1] else None, None
+
+
+class Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation):
+        y, preact = library.linear(x, weight, bias, activation, activation != NO_ACT)
+        ctx.save_for_backward(x, weight, bias, preact)
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, preact = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        if torch.is_grad_enabled():
+            inputs = (x, weight, bias, ctx.activation)
+            return _differentiable_grads(linear_formula, inputs, needs, dy)
+        need_db = bias is not None and needs[2]
+        dx, dw, db = library.linear_grad(
+            dy, x, weight, preact, ctx.activation, needs[0], needs[1], need_db
+        )
+        return (
+            dx if needs[0] else None,
+            dw if needs[1] else None,
+            db if need_db else None,
+            None,
+        )
+
+
+class GeGLULinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, b_gate, b_up, approximate):
+        h, gate, up = library.geglu_linear(
+            x, w_gate, w_up, b_gate, b_up, approximate, True
+        )
+        ctx.save_for_backward(x, w_gate, w_up, b_gate, b_up, gate, up)
+        ctx.approximate = approximate
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        x, w_gate, w_up, b_gate, b_up, gate, up = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        if torch.is_grad_enabled():
+            inputs = (x, w_gate, w_up, b_gate, b_up, ctx.approximate)
+            return _differentiable_grads(geglu_linear_formula, inputs, needs, dh)
+        need_db = b_gate is not None and (needs[3] or needs[4])
+        dx, dwg, dwu, dbg, dbu = library.geglu_linear_grad(
+            dh, x, w_gate, w_up, gate, up, ctx.approximate, needs[0], needs[1], needs[2],
+            need_db,
+        )  # fmt: skip
+        return (
+            dx if needs[0] else None,
+            dwg if needs[1] else None,
+            dwu if needs[2] else None,
+            dbg if needs[3] else None,
+            dbu if needs[4] else None,
+            None,
+        )
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records a call on ``tensors`` (None for an absent bias)."""
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in tensors
+    )
+
+
+def geglu(gate, up, approximate: str) -> torch.Tensor:
+    if transforms_active():
+        return geglu_formula(gate, up, approximate)
+    if needs_grad(gate, up):
+        return GeGLU.apply(gate, up, approximate)
+    return library.geglu(gate, up, approximate)
+
+
+def linear(x, weight, bias, activation: int) -> torch.Tensor:
+    if transforms_active():
+        return linear_formula(x, weight, bias, activation)
+    if needs_grad(x, weight, bias):
+        return Linear.apply(x, weight, bias, activation)
+    return library.linear(x, weight, bias, activation, False)[0]
+
+
+def geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate: str) -> torch.Tensor:
+    if transforms_active():
+        return geglu_linear_formula(x, w_gate, w_up, b_gate, b_up, approximate)
+    if needs_grad(x, w_gate, w_up, b_gate, b_up):
+        return GeGLULinear.apply(x, w_gate, w_up, b_gate, b_up, approximate)
+    return library.geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate, False)[0]

@@ -1,0 +1,125 @@
+"""Host side of the elementwise GeGLU kernels: tile configurations and launches.
+
+Contiguous operands are processed as one long row (``FLAT_BLOCK``-element tiles); strided
+ones (e.g. the halves of one ``[M, 2N]`` projection output) as row tiles through their
+strides. A launch plan is cached per (direction, variant, dtype, shapes, strides).
+"""
+
+import torch
+
+from .activation import geglu_bwd_kernel, geglu_fwd_kernel
+from .launch import INTERPRETED, LRU, Launcher, cdiv
+
+# Contiguous operands: 1024-element tiles with 4 warps (two 16-byte vectors per thread in
+# 16-bit dtypes) stream at copy rate (benchmarks/NOTES.md). The interpreter pays per
+# program, not per element: larger tiles there.
+FLAT_BLOCK, FLAT_WARPS = (16384 if INTERPRETED else 1024), 4
+
+
+def row_tile_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for strided [M, N] operands.
+
+    A row tile spans up to 16 bytes x 32 lanes x 8 warps (2048 bf16 / 1024 fp32 columns),
+    so every load is a 16-byte vector; rows are stacked until a program streams ~8192
+    elements (the sweep behind it: benchmarks/NOTES.md).
+    """
+    vec = 16 // elem_bytes
+    block_n = min(1 << (max(n_cols, 1) - 1).bit_length(), vec * 32 * 8)
+    return max(1, 8192 // block_n), block_n, 8
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
+    """A 2-D [rows, cols] view of ``t`` over its leading dims, or None when their strides
+    cannot be expressed as one row stride (e.g. a permuted batch)."""
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """2-D rows of an input; copies only in the case ``_rows_view`` cannot express."""
+    if t.shape[-1] == 0:
+        return t.reshape(t.shape[:-1].numel(), 0)
+    rows = _rows_view(t)
+    return rows if rows is not None else t.reshape(-1, t.shape[-1])
+
+
+_PLANS = LRU(256)
+
+
+def _plan(kernel, approx_tanh: bool, rows: tuple[torch.Tensor, ...]):
+    """(launcher, grid, (M, N, *strides)) for [M, N] views ``rows`` (the outputs last)."""
+    first = rows[0]
+    flat = all(t.is_contiguous() for t in rows)
+    if flat:
+        key = (id(kernel), approx_tanh, first.dtype, first.numel())
+    else:
+        key = (
+            id(kernel),
+            approx_tanh,
+            first.dtype,
+            first.shape,
+            *(t.stride() for t in rows),
+        )
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    M, N = first.shape
+    if flat:
+        M, N = 1, M * N
+        block_m, block_n, num_warps = 1, FLAT_BLOCK, FLAT_WARPS
+        strides = [(0, 1)] * len(rows)
+    else:
+        block_m, block_n, num_warps = row_tile_config(N, first.element_size())
+        strides = [t.stride() for t in rows]
+    grid_m, grid_n = cdiv(M, block_m), cdiv(N, block_n)
+    # Largest offset a program can form (masked lanes included) against int32's range.
+    reach = max(
+        grid_m * block_m * abs(sm) + grid_n * block_n * abs(sn) for sm, sn in strides
+    )
+    constexprs = {
+        "APPROX_TANH": approx_tanh,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "INT64": reach >= 2**31,
+        "num_warps": num_warps,
+        "num_stages": 1,
+    }
+    ints = (M, N, *(s for st in strides for s in st))
+    plan = Launcher(kernel, constexprs), grid_m * grid_n, ints
+    _PLANS[key] = plan
+    return plan
+
+
+def geglu_forward(
+    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, approximate: str
+) -> None:
+    """out = round(gelu(gate)) * up; the three tensors share a shape, ``out`` may be any view."""
+    if gate.numel() == 0:
+        return
+    g, u, o = as_rows(gate), as_rows(up), _rows_view(out)
+    if o is None:
+        tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        geglu_forward(gate, up, tmp, approximate)
+        out.copy_(tmp)
+        return
+    launcher, grid, ints = _plan(geglu_fwd_kernel, approximate == "tanh", (g, u, o))
+    launcher(grid, g, u, o, *ints)
+
+
+def geglu_backward(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d gate, d up) of out = gelu(gate) * up, both contiguous and shaped like ``gate``."""
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty_like(dgate)
+    if gate.numel() == 0:
+        return dgate, dup
+    d, g, u = as_rows(dout), as_rows(gate), as_rows(up)
+    # dgate's view joins the plan for the flat/int64 decisions: the outputs are contiguous.
+    launcher, grid, ints = _plan(
+        geglu_bwd_kernel, approximate == "tanh", (d, g, u, dgate.view(g.shape))
+    )
+    launcher(grid, d, g, u, dgate, dup, *ints[:8])
+    return dgate, dup

@@ -1,0 +1,308 @@
+"""The kernels as ``torch.library`` custom ops, each with a fake (meta) implementation, and
+the eager bypass.
+
+Each op is registered once; ``KernelOp.__call__`` is how every caller reaches it. Under
+``torch.compile``, or for a tensor the dispatcher must see (a FakeTensor, a DTensor, a
+meta tensor), it calls the op, which Dynamo treats as opaque and DTensor runs on its
+shards. Eager calls on plain tensors run the implementation directly: the custom op's
+Python dispatch costs more host time than the launches at decode sizes. Profiles still
+name the op (a ``record_function`` range while a profiler runs).
+
+The ops are not differentiable: autograd.py wraps them, one ``autograd.Function`` per
+public op. The op namespace comes from the build's ``_ops.py`` and is unique per build, as
+kernel-builder's is.
+"""
+
+import functools
+
+import torch
+
+from ._ops import add_op_namespace_prefix
+from .checks import PLAIN_TENSORS
+from .elementwise import as_rows, geglu_backward, geglu_forward
+from .gemm import GELU_TANH, NO_ACT, gelu_code, gemm, gemm_act, gemm_dact, gemm_gated
+
+
+def _empty(
+    like: torch.Tensor, *shape, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+
+
+def dispatched(t: torch.Tensor) -> bool:
+    """Whether a call on ``t`` must go through the dispatcher (see the module docstring)."""
+    return (
+        torch.compiler.is_compiling()
+        or type(t) not in PLAIN_TENSORS
+        or t.device.type == "meta"
+    )
+
+
+class KernelOp:
+    """A custom op and its implementation. The implementation may return None for an
+    output it did not compute (eager callers skip those allocations); the registered op
+    returns an empty tensor there, as its schema needs."""
+
+    def __init__(self, name: str, schema: str, impl, fake, mutates_args=()):
+        def registered(*args):
+            out = impl(*args)
+            if isinstance(out, tuple):
+                return tuple(_empty(args[0], 0) if o is None else o for o in out)
+            return out
+
+        self.impl = impl
+        self.op = torch.library.custom_op(
+            add_op_namespace_prefix(name), registered, mutates_args=mutates_args,
+            schema=schema,
+        )  # fmt: skip
+        self.op.register_fake(fake)
+        self.name = self.op._qualname
+
+    def __call__(self, *args):
+        if dispatched(args[0]):
+            return self.op(*args)
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function(self.name):
+                return self.impl(*args)
+        return self.impl(*args)
+
+
+# --- GeGLU activation -------------------------------------------------------------------
+
+
+def _geglu(gate, up, approximate):
+    out = _empty(gate, *gate.shape)
+    geglu_forward(gate, up, out, approximate)
+    return out
+
+
+geglu = KernelOp(
+    "geglu",
+    "(Tensor gate, Tensor up, str approximate) -> Tensor",
+    _geglu,
+    lambda gate, up, approximate: _empty(gate, *gate.shape),
+)
+
+geglu_grad = KernelOp(
+    "geglu_backward",
+    "(Tensor dout, Tensor gate, Tensor up, str approximate) -> (Tensor, Tensor)",
+    geglu_backward,
+    lambda dout, gate, up, approximate: (
+        _empty(gate, *gate.shape),
+        _empty(gate, *gate.shape),
+    ),
+)
+
+
+def _gelu_and_mul(out, x, approximate):
+    d = x.shape[-1] // 2
+    geglu_forward(x[..., :d], x[..., d:], out, approximate)
+
+
+gelu_and_mul = KernelOp(
+    "gelu_and_mul",
+    "(Tensor(a!) out, Tensor x, str approximate) -> ()",
+    _gelu_and_mul,
+    lambda out, x, approximate: None,
+    mutates_args=("out",),
+)
+
+
+@functools.cache
+def register_dtensor_rules() -> None:
+    """DTensor sharding rules of the elementwise ops, registered at their first DTensor
+    call: all inputs replicated, or all sharded along one same dim, and the outputs
+    alike (GeLU is not linear: no Partial)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    def elementwise(like: torch.Tensor, n_in: int, n_out: int) -> list:
+        placements = [Replicate()] + [Shard(d) for d in range(like.ndim)]
+        return [([p] * n_out, [p] * n_in + [None]) for p in placements]
+
+    register_sharding(geglu.op._opoverload)(
+        lambda gate, up, approximate: elementwise(gate, 2, 1)
+    )
+    register_sharding(geglu_grad.op._opoverload)(
+        lambda dout, gate, up, approximate: elementwise(gate, 3, 2)
+    )
+
+
+# --- Linear with bias/activation epilogue -----------------------------------------------
+
+
+def _linear(x, weight, bias, activation, store_preact):
+    """(act(x @ weight^T + bias), the pre-activation when ``store_preact`` else None)."""
+    x2 = as_rows(x)
+    y = _empty(x, x2.shape[0], weight.shape[0])
+    preact = None
+    if activation == NO_ACT:
+        gemm(x2, weight, y, bias=bias)
+    else:
+        preact = _empty(x, *y.shape) if store_preact else None
+        gemm_act(x2, weight, y, activation, bias=bias, preact=preact)
+    return y.view(*x.shape[:-1], weight.shape[0]), preact
+
+
+def _linear_fake(x, weight, bias, activation, store_preact):
+    m = 1
+    for s in x.shape[:-1]:  # symbolic under torch.compile (Size.numel() specialises)
+        m = m * s
+    preact = _empty(x, m, weight.shape[0]) if store_preact else _empty(x, 0)
+    return _empty(x, *x.shape[:-1], weight.shape[0]), preact
+
+
+linear = KernelOp(
+    "linear",
+    "(Tensor x, Tensor weight, Tensor? bias, int activation, bool store_preact)"
+    " -> (Tensor, Tensor)",
+    _linear,
+    _linear_fake,
+)
+
+
+def _bias_grad_alone(dz: torch.Tensor) -> torch.Tensor:
+    """Column sums of dZ [M, N] in fp32, for a bias whose weight needs no gradient."""
+    return dz.float().sum(0)
+
+
+def _linear_backward(dy, x, weight, preact, activation, need_dx, need_dw, need_db):
+    """(dx, dw, db), None where not needed. With an activation, dZ = round(dY * act'(Z))
+    is formed in each GEMM's prologue; the bias gradient rides in the weight-gradient
+    GEMM, or is a column sum when no weight gradient is needed."""
+    dy2, x2 = as_rows(dy), as_rows(x)
+    dx = dw = db = None
+    if need_dx:  # dX = dZ @ W
+        dx = _empty(x, *x.shape)
+        if activation == NO_ACT:
+            gemm(dy2, weight.t(), as_rows(dx))
+        else:
+            gemm_dact(dy2, preact, weight.t(), as_rows(dx), activation)
+    db32 = _empty(dy, weight.shape[0], dtype=torch.float32) if need_db else None
+    if need_dw:  # dW = dZ^T @ X; db = row sums of dZ^T, in the same GEMM
+        dw = _empty(weight, *weight.shape)
+        if activation == NO_ACT:
+            gemm(dy2.t(), x2.t(), dw, bias_grad=db32)
+        else:
+            gemm_dact(dy2.t(), preact.t(), x2.t(), dw, activation, bias_grad=db32)
+    elif need_db:
+        dz = dy2
+        if activation != NO_ACT:
+            approximate = "tanh" if activation == GELU_TANH else "none"
+            dz = torch.ops.aten.gelu_backward(dy2, preact, approximate=approximate)
+        db32 = _bias_grad_alone(dz)
+    if need_db:
+        db = db32.to(dy.dtype)
+    return dx, dw, db
+
+
+linear_grad = KernelOp(
+    "linear_backward",
+    "(Tensor dy, Tensor x, Tensor weight, Tensor preact, int activation, bool need_dx,"
+    " bool need_dw, bool need_db) -> (Tensor, Tensor, Tensor)",
+    _linear_backward,
+    lambda dy, x, weight, preact, activation, need_dx, need_dw, need_db: (
+        _empty(x, *x.shape) if need_dx else _empty(x, 0),
+        _empty(weight, *weight.shape) if need_dw else _empty(weight, 0),
+        _empty(dy, weight.shape[0] if need_db else 0),
+    ),
+)
+
+
+# --- GeGLU dual GEMM --------------------------------------------------------------------
+
+
+def _geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate, store_preact):
+    """(h, gate, up): the pre-activations when ``store_preact``, else None."""
+    x2 = as_rows(x)
+    m, n = x2.shape[0], w_gate.shape[0]
+    h = _empty(x, m, n)
+    gate, up = (_empty(x, m, n), _empty(x, m, n)) if store_preact else (None, None)
+    gemm_gated(
+        x2, w_gate, w_up, h, gelu_code(approximate), bias_gate=b_gate, bias_up=b_up,
+        gate=gate, up=up,
+    )  # fmt: skip
+    return h.view(*x.shape[:-1], n), gate, up
+
+
+def _geglu_linear_fake(x, w_gate, w_up, b_gate, b_up, approximate, store_preact):
+    h, pre = _linear_fake(x, w_gate, None, NO_ACT, store_preact)
+    return h, pre, _empty(pre, *pre.shape)
+
+
+geglu_linear = KernelOp(
+    "geglu_linear",
+    "(Tensor x, Tensor w_gate, Tensor w_up, Tensor? b_gate, Tensor? b_up,"
+    " str approximate, bool store_preact) -> (Tensor, Tensor, Tensor)",
+    _geglu_linear,
+    _geglu_linear_fake,
+)
+
+
+def _geglu_linear_backward(
+    dh,
+    x,
+    w_gate,
+    w_up,
+    gate,
+    up,
+    approximate,
+    need_dx,
+    need_dw_gate,
+    need_dw_up,
+    need_db,
+):
+    """(dx, dw_gate, dw_up, db_gate, db_up), None where not needed."""
+    dgate, dup = geglu_backward(as_rows(dh), gate, up, approximate)
+    dx = None
+    if need_dx:  # dX = dGate @ Wg + dUp @ Wu
+        dx = _empty(x, *x.shape)
+        dx2 = as_rows(dx)
+        gemm(dgate, w_gate.t(), dx2)
+        gemm(dup, w_up.t(), dx2, accumulate=True)
+    x2 = as_rows(x)
+    grads = []
+    for d, w, need_dw in ((dgate, w_gate, need_dw_gate), (dup, w_up, need_dw_up)):
+        dw = None
+        db32 = _empty(d, w.shape[0], dtype=torch.float32) if need_db else None
+        if need_dw:  # dW = d^T @ X, db = row sums of d^T in the same GEMM
+            dw = _empty(w, *w.shape)
+            gemm(d.t(), x2.t(), dw, bias_grad=db32)
+        elif need_db:
+            db32 = _bias_grad_alone(d)
+        grads.append((dw, None if db32 is None else db32.to(d.dtype)))
+    (dwg, dbg), (dwu, dbu) = grads
+    return dx, dwg, dwu, dbg, dbu
+
+
+def _geglu_linear_backward_fake(
+    dh,
+    x,
+    w_gate,
+    w_up,
+    gate,
+    up,
+    approximate,
+    need_dx,
+    need_dw_gate,
+    need_dw_up,
+    need_db,
+):
+    nb = w_gate.shape[0] if need_db else 0
+    return (
+        _empty(x, *x.shape) if need_dx else _empty(x, 0),
+        _empty(w_gate, *w_gate.shape) if need_dw_gate else _empty(w_gate, 0),
+        _empty(w_up, *w_up.shape) if need_dw_up else _empty(w_up, 0),
+        _empty(x, nb),
+        _empty(x, nb),
+    )
+
+
+geglu_linear_grad = KernelOp(
+    "geglu_linear_backward",
+    "(Tensor dh, Tensor x, Tensor w_gate, Tensor w_up, Tensor gate, Tensor up,"
+    " str approximate, bool need_dx, bool need_dw_gate, bool need_dw_up, bool need_db)"
+    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _geglu_linear_backward,
+    _geglu_linear_backward_fake,
+)

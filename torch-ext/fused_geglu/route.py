@@ -1,0 +1,357 @@
+"""The route policy, used by ``geglu_mlp`` and by every layer: which kernel computes each
+part of a GeGLU MLP, and when a layer must leave a module to its own forward.
+
+Measured on the H200 (benchmarks/NOTES.md):
+- gate/up: the dual GEMM (one kernel, gate and up never reach memory) where the TMA kernel
+  runs, for 16-bit inference; in training, or elsewhere, the projections (cuBLAS) and the
+  fused activation were faster, and lighter in training.
+- down: after the dual GEMM, our GEMM where its tiles fill the GPU (the MLP is then two
+  kernels); otherwise cuBLAS, which splits K. Under torch.compile always cuBLAS: a branch
+  on the token count would recompile.
+
+A layer runs our kernels only where they reproduce the module's forward. Anywhere else it
+runs the module's own forward and warns once, naming the reason.
+"""
+
+import importlib
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import autograd
+from .checks import PLAIN_TENSORS, SUPPORTED_DTYPES, is_dtensor, kernels_run_on
+from .gemm import tma_applies, tma_tiles_fill_gpu
+from .launch import has_tma
+
+
+def fuse_projections(x: torch.Tensor, training: bool) -> bool:
+    """Whether the dual GEMM computes gelu(gate) * up for ``x`` (see the module docstring);
+    under autocast the projections' own forwards choose the dtype."""
+    return (
+        not training
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and has_tma(x.device)
+        and not is_dtensor(x)
+        and not torch.is_autocast_enabled(x.device.type)
+    )
+
+
+def down_projection(h, weight, bias, fused: bool) -> torch.Tensor:
+    """``h @ weight.T + bias`` by the kernel the policy picks (h is 2-D or more)."""
+    if fused and not torch.compiler.is_compiling():
+        m = h.numel() // h.shape[-1]
+        n, k = weight.shape
+        if tma_applies(m, h.dtype, h.device) and tma_tiles_fill_gpu(
+            m, n, k, h.dtype, h.device
+        ):
+            return autograd.linear(h, weight, bias, 0)
+    return F.linear(h, weight, bias)
+
+
+def geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
+    """``down(gelu(gate(x)) * up(x))`` by the policy's route (arguments already checked)."""
+    training = autograd.needs_grad(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    fused = fuse_projections(x, training)
+    if fused:
+        h = autograd.geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate)
+    else:
+        gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+        h = autograd.geglu(gate, up, approximate)
+    return down_projection(h, w_down, b_down, fused)
+
+
+# --- Layers -----------------------------------------------------------------------------
+
+# transformers' tanh-GeLU modules (ACT2FN "gelu_pytorch_tanh", "gelu_python_tanh",
+# "gelu_new", "gelu_fast") compute 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); its
+# "gelu" and "gelu_python", 0.5 x (1 + erf(x / sqrt(2))).
+_TANH_GELU_CLASSES = (
+    "GELUTanh",
+    "PytorchGELUTanh",
+    "NewGELUActivation",
+    "FastGELUActivation",
+)
+_EXACT_GELU_CLASSES = ("GELUActivation",)
+
+
+def gelu_approximation(act_fn: nn.Module) -> str | None:
+    """The ``approximate`` that reproduces ``act_fn`` exactly, or None if it is no GeLU."""
+    name = type(act_fn).__name__
+    if name in _TANH_GELU_CLASSES:
+        return "tanh"
+    if name in _EXACT_GELU_CLASSES:
+        return "none"
+    if type(act_fn) is nn.GELU:
+        return act_fn.approximate
+    return None
+
+
+def _code_fingerprint(fn) -> tuple | None:
+    """What makes two forwards compute the same thing: their bytecode and the names,
+    variables and constants it uses (a docstring aside; line numbers differ)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    consts = tuple(
+        c for c in code.co_consts if not (isinstance(c, str) and c == fn.__doc__)
+    )
+    return code.co_code, code.co_names, code.co_varnames, code.co_argcount, consts
+
+
+@dataclass(frozen=True)
+class Family:
+    """A GeGLU MLP's structure: submodule names, which forwards it reproduces."""
+
+    name: str
+    projections: tuple[str, ...]  # (gate, up), or (fused,) whose halves are gate and up
+    gate_half: int  # fused: which half is the gate
+    down: str | None
+    act: str | None  # None: exact GeLU, fixed by the forward
+    # "module:Class" whose forward the layer reproduces; a class whose forward has the same
+    # bytecode (a copy, e.g. Gemma2MLP of GemmaMLP) is reproduced too.
+    references: tuple[str, ...]
+
+    def reproduces(self, cls: type) -> bool:
+        key = (self.name, cls)
+        known = _REPRODUCED.get(key)
+        if known is None:
+            fingerprint = _code_fingerprint(cls.forward)
+            known = fingerprint is not None and any(
+                fingerprint == _code_fingerprint(ref.forward)
+                for ref in _reference_classes(self.references)
+            )
+            _REPRODUCED[key] = known
+        return known
+
+
+_REPRODUCED: dict[tuple, bool] = {}
+
+
+def _reference_classes(references: tuple[str, ...]) -> list[type]:
+    """The reference classes that are installed (imported once, when a route is first made)."""
+    classes = []
+    for ref in references:
+        module, name = ref.split(":")
+        try:
+            classes.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return classes
+
+
+@dataclass
+class ModuleRoute:
+    """What a layer reads from its module once: validated while ``signature`` is unchanged."""
+
+    signature: tuple
+    fallback: str | None  # the reason to run the module's own forward
+    approximate: str = "none"
+    projections: tuple = ()  # the projection modules
+    fusable: tuple | None = None  # their local (weight, bias) pairs for the dual GEMM
+    down: nn.Module | None = None
+    down_operands: tuple | None = None  # the down projection's (weight, bias)
+    warned: set = field(default_factory=set)  # the reasons already warned of
+
+
+_ROUTES: "weakref.WeakKeyDictionary[nn.Module, ModuleRoute]" = (
+    weakref.WeakKeyDictionary()
+)
+_WARNED: set = set()
+
+
+def _plain_linear_operands(m: nn.Module) -> tuple | None:
+    """``(weight, bias)`` of an ``nn.Linear`` itself (no subclass: LoRA, quantised) whose
+    call is exactly ``F.linear`` on local tensors: no hooks, no instance-level forward
+    (patched, kernelized or tensor-parallel), no DTensor weight; else None."""
+    if (
+        type(m) is not nn.Linear
+        or m._forward_hooks
+        or m._forward_pre_hooks
+        or "forward" in m.__dict__
+    ):
+        return None
+    weight = m._parameters["weight"]
+    return None if is_dtensor(weight) else (weight, m._parameters["bias"])
+
+
+def _signature(module: nn.Module, family: Family) -> tuple:
+    """Identities of everything a route depends on (submodules, their parameters, hooks):
+    cheap dict reads, compared on every call."""
+    mods = module._modules
+    parts = [type(module)]
+    for name in (*family.projections, family.down, family.act):
+        m = mods.get(name) if name else None
+        parts.append(id(m))
+        if m is not None:
+            params = m._parameters
+            weight = params.get("weight")
+            parts += [
+                id(weight),
+                # a parameter's data swapped in place (module.to()): cached views are stale
+                weight.data_ptr() if type(weight) in PLAIN_TENSORS else None,
+                id(params.get("bias")),
+                len(m._forward_hooks) + len(m._forward_pre_hooks),
+                id(m.__dict__.get("forward")),
+            ]
+    return tuple(parts)
+
+
+def _tp_colwise_shards(m: nn.Module) -> tuple | None:
+    """``(weight, bias)`` local shards of an ``nn.Linear`` that transformers' tensor-parallel
+    plan made column-wise ("colwise": weight and bias ``Shard(0)``, this rank's output
+    features kept local). In inference its forward is then exactly ``F.linear`` on these
+    shards, with no collective. None for any other module or style: those keep their own
+    forward, collectives included."""
+    forward = m.__dict__.get("forward")
+    if (
+        type(m) is not nn.Linear
+        or m._forward_hooks
+        or m._forward_pre_hooks
+        or not is_dtensor(m.weight)
+        or getattr(forward, "__name__", None) != "tp_forward"
+    ):
+        return None
+    from torch.distributed.tensor import Shard  # imported: m.weight is a DTensor
+
+    # transformers installs the style as a closure over ``self`` (the style object) and
+    # ``original_forward``; read both rather than guess the style from placements.
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+    style = cells["self"].cell_contents if "self" in cells else None
+    original = (
+        cells["original_forward"].cell_contents if "original_forward" in cells else None
+    )
+    colwise = (Shard(0),)
+    if (
+        type(style).__name__ != "ColwiseParallel"
+        or not type(style).__module__.startswith("transformers.")
+        or style.output_layouts != Shard(-1)
+        or not style.use_local_output
+        or getattr(original, "__func__", None) is not nn.Linear.forward
+        or getattr(m, "_hf_quantized_needs_local_tp", False)
+        or m.weight.placements != colwise
+        or m.weight.device_mesh.ndim != 1
+        or (
+            m.bias is not None
+            and (not is_dtensor(m.bias) or m.bias.placements != colwise)
+        )
+    ):
+        return None
+    return m.weight.to_local(), None if m.bias is None else m.bias.to_local()
+
+
+def _linear_operands(m: nn.Module) -> tuple | None:
+    """``(weight, bias)`` such that, in inference, ``m(x)`` is ``F.linear(x, weight, bias)``:
+    a plain ``nn.Linear``'s own parameters, or a tensor-parallel column-wise shard's."""
+    return _plain_linear_operands(m) or _tp_colwise_shards(m)
+
+
+def _new_route(module: nn.Module, family: Family, signature: tuple) -> ModuleRoute:
+    cls = type(module)
+    if not family.reproduces(cls):
+        return ModuleRoute(
+            signature,
+            f"{cls.__module__}.{cls.__qualname__}.forward is not one that {family.name} "
+            f"reproduces (it may do more than {family.name}'s computation)",
+        )
+    approximate = "none"
+    if family.act is not None:
+        act_fn = module._modules.get(family.act)
+        approximate = gelu_approximation(act_fn) if act_fn is not None else None
+        if approximate is None:
+            return ModuleRoute(
+                signature, f"its activation {act_fn!r} is not a GeLU (exact or tanh)"
+            )
+        if act_fn._forward_hooks or act_fn._forward_pre_hooks:
+            return ModuleRoute(
+                signature, f"its activation {family.act} carries hooks, which must fire"
+            )
+    projections = tuple(module._modules[name] for name in family.projections)
+    operands = tuple(_linear_operands(p) for p in projections)
+    fusable = None
+    if all(operands):
+        if len(operands) == 2:
+            (w_gate, b_gate), (w_up, b_up) = operands
+        else:
+            (weight, bias), g = operands[0], family.gate_half
+            w = weight.chunk(2)
+            b = (None, None) if bias is None else bias.chunk(2)
+            w_gate, w_up, b_gate, b_up = w[g], w[1 - g], b[g], b[1 - g]
+        if w_gate.shape == w_up.shape and (b_gate is None) == (b_up is None):
+            fusable = (w_gate, w_up, b_gate, b_up)
+    down = module._modules[family.down] if family.down else None
+    down_operands = _plain_linear_operands(down) if down is not None else None
+    return ModuleRoute(
+        signature, None, approximate, projections, fusable, down, down_operands
+    )
+
+
+def module_route(module: nn.Module, family: Family) -> ModuleRoute:
+    """The module's route, re-derived only when its signature changed."""
+    signature = _signature(module, family)
+    route = _ROUTES.get(module)
+    if route is None or route.signature != signature:
+        route = _ROUTES[module] = _new_route(module, family, signature)
+    return route
+
+
+def fallback_reason(route: ModuleRoute, x: torch.Tensor) -> str | None:
+    """Why our kernels cannot run this call (None: they can)."""
+    if route.fallback is not None:
+        return route.fallback
+    if not kernels_run_on(x.device):
+        return (
+            f"Triton kernels cannot run on {x.device.type} tensors in this process (the "
+            f"CPU needs TRITON_INTERPRET=1 before triton is imported)"
+        )
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"its input is {x.dtype} (the kernels take bfloat16, float16, float32)"
+    return None
+
+
+def warn_fallback(
+    module: nn.Module, family: Family, reason: str, warned: set | None = None
+) -> None:
+    """Warns that the module runs its own forward, once per reason in ``warned`` (the
+    module's route's; Python's warning filters then show one of identical messages)."""
+    if warned is None or reason not in warned:
+        if warned is not None:
+            warned.add(reason)
+        warnings.warn(
+            f"fused-geglu {family.name}: {type(module).__name__} runs its own forward: "
+            f"{reason}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def geglu_projections(route: ModuleRoute, x: torch.Tensor, family: Family):
+    """(gelu(gate) * up of the module's projections for ``x``, whether the dual GEMM
+    computed it). Otherwise the projections' own forwards (cuBLAS, or whatever wraps them:
+    LoRA, quantised, hooked, autocast) and our fused activation."""
+    fusable = route.fusable
+    if fusable is not None:
+        w_gate, w_up, b_gate, b_up = fusable
+        if w_gate.dtype == x.dtype and fuse_projections(
+            x, autograd.needs_grad(x, w_gate, w_up, b_gate, b_up)
+        ):
+            return autograd.geglu_linear(
+                x, w_gate, w_up, b_gate, b_up, route.approximate
+            ), True
+    if len(route.projections) == 2:
+        gate, up = route.projections[0](x), route.projections[1](x)
+    else:
+        halves = route.projections[0](x).chunk(2, dim=-1)
+        gate, up = halves[family.gate_half], halves[1 - family.gate_half]
+    return autograd.geglu(gate, up, route.approximate), False
+
+
+def project_down(route: ModuleRoute, h: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The module's down projection of ``h``."""
+    operands = route.down_operands
+    if operands is not None and operands[0].dtype == h.dtype:
+        return down_projection(h, operands[0], operands[1], fused)
+    return route.down(h)

@@ -26,7 +26,7 @@ demo: build
 report: build
 	$(PY) scripts/report.py $(ARGS)
 
-# README.md's results section, regenerated from benchmarks/results/*.json.
+# The results in README.md (a summary) and docs/results.md, from benchmarks/results/*.json.
 results: $(STAMP)
 	$(PY) scripts/render_results.py
 

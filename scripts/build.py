@@ -1,16 +1,17 @@
 """Write build/torch-<backend>/ for every backend in build.toml, as kernel-builder's noarch
 build does: the package's Python files, a generated ``_ops.py`` whose op namespace is unique
-to this build, and ``metadata.json``. Usage: ``python scripts/build.py [--out build]``."""
+to this build, and ``metadata.json``. Usage:
+``python scripts/build.py [--out build] [--repo-id owner/name]``."""
 
 import argparse
 import json
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
-import tomllib
-
 ROOT = Path(__file__).resolve().parent.parent
+HUB = "https://huggingface.co"
 
 OPS_PY = '''import torch
 
@@ -43,8 +44,20 @@ def git_revision() -> str:
     return f"{rev}_dirty" if dirty else rev
 
 
-def build(out: Path) -> list[Path]:
+def hub_urls(repo_id: str, version: int) -> dict[str, str]:
+    """metadata.json's ``upstream`` and ``source`` (``kernels info`` prints them): the
+    kernel repository on the Hub, where this kernel is developed and published (there is
+    no third-party upstream), and its ``v<version>`` branch, which holds this build's
+    Python sources (a noarch Triton build ships its source as is)."""
+    repo = f"{HUB}/kernels/{repo_id}"
+    return {"upstream": repo, "source": f"{repo}/tree/v{version}"}
+
+
+def build(out: Path, repo_id: str | None = None) -> list[Path]:
+    """``repo_id`` (default: build.toml's ``[general.hub] repo-id``) names the Hub
+    repository in the metadata."""
     general = tomllib.loads((ROOT / "build.toml").read_text())["general"]
+    urls = hub_urls(repo_id or general["hub"]["repo-id"], general["version"])
     python_name = general["name"].replace("-", "_")
     src = ROOT / "torch-ext" / python_name
     rev = git_revision()
@@ -64,6 +77,7 @@ def build(out: Path) -> list[Path]:
             "id": build_id,
             "version": general["version"],
             "license": general["license"],
+            **urls,
             "backend": {"type": backend},
             "python-depends": [],
         }
@@ -75,7 +89,9 @@ def build(out: Path) -> list[Path]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=ROOT / "build")
-    for variant in build(parser.parse_args().out):
+    parser.add_argument("--repo-id", help="the Hub repository (default: build.toml's)")
+    args = parser.parse_args()
+    for variant in build(args.out, args.repo_id):
         print(
             f"wrote {variant.relative_to(ROOT) if variant.is_relative_to(ROOT) else variant}"
         )

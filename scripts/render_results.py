@@ -1,8 +1,11 @@
-"""Regenerate README.md's results (between the `<!-- results:start -->` and
-`<!-- results:end -->` markers) from the committed JSON in benchmarks/results/: the newest
-*-compare.json (benchmarks/compare.py) and, when committed, the newest *-families.json
-(compare.py --only families), *-distributed.json (benchmarks/distributed.py) and
-*-report.json (scripts/report.py). `make results` runs it; --check only reports drift.
+"""Regenerate the measured results from the committed JSON in benchmarks/results/: the
+newest *-compare.json (benchmarks/compare.py) and, when committed, the newest
+*-families.json (compare.py --only families), *-distributed.json
+(benchmarks/distributed.py) and *-report.json (scripts/report.py).
+
+Two files each hold one generated block, between the `<!-- results:start -->` and
+`<!-- results:end -->` markers: README.md a summary (the families and the Gemma MLP
+forward), docs/results.md every table. `make results` runs it; --check only reports drift.
 
 Every number is the JSON's, rounded one way: milliseconds to 3 decimals, or 3 significant
 digits below 0.1 ms; fractions to 2 decimals; µs and MiB to integers.
@@ -18,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+RESULTS_DOC = ROOT / "docs" / "results.md"
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 # compare.py's MLP forward+backward runs at this many tokens.
@@ -184,8 +188,9 @@ def distributed_section(path: Path, result: dict) -> list[str]:
     return lines + table(head, rows) + [""]
 
 
-def report_section(path: Path, report: dict) -> list[str]:
-    """The profiling report's per-stage table (scripts/report.py's JSON)."""
+def report_section(path: Path, report: dict, link_root: str = "") -> list[str]:
+    """The profiling report's per-stage table (scripts/report.py's JSON); chart links
+    start with ``link_root``, the way from the rendered file to the repository root."""
     env, cfg = report["env"], report["config"]
     lines = paragraph(
         f"Profiling report, {env['device']}, {env['date']} (torch {env['torch']}, "
@@ -208,7 +213,8 @@ def report_section(path: Path, report: dict) -> list[str]:
             rows.append(cells)
     lines += table(head, rows) + [""]
     folder = path.parent.relative_to(ROOT)
-    lines += [f"![{c}]({folder}/{path.stem}-{c})" for c in report.get("charts", [])]
+    charts = report.get("charts", [])
+    lines += [f"![{c}]({link_root}{folder}/{path.stem}-{c})" for c in charts]
     lines += [""] if report.get("charts") else []
     check = path.with_name(f"{path.stem}-check.json")
     if check.exists():
@@ -231,26 +237,68 @@ def check_section(path: Path, check: dict) -> list[str]:
     )
 
 
+def newest(kind: str) -> Path | None:
+    paths = list(RESULTS.glob(f"*-{kind}.json"))
+    return max(paths) if paths else None
+
+
+def summary_section(compare: Path, result: dict) -> list[str]:
+    """README's block: each family's layer against eager, and the Gemma MLP forward
+    against every peer over token counts."""
+    env, families = result["env"], newest("families")
+    sources = f"`{compare.relative_to(ROOT)}`"
+    sources += f" and `{families.relative_to(ROOT)}`" if families else ""
+    lines = paragraph(
+        f"One {env['gpu']}, {env['date']}, torch {env['torch']}, Triton {env['triton']}, "
+        f"bf16 inference, medians of `triton.testing.do_bench`. Source: {sources}; "
+        f"every table and the method are in [docs/results.md](docs/results.md)."
+    )
+    if families:
+        rows = [
+            [name, f"{r['tokens']} x {r['hidden']}", ms(r["eager_ms"]),
+             ms(r["ours_ms"]), f"{r['speedup']:.2f}x"]
+            for name, r in json.loads(families.read_text())["families"].items()
+        ]  # fmt: skip
+        head = ["feed-forward (GPU time, CUDA-graph replay)", "tokens x hidden"]
+        lines += table(head + ["eager ms", "fused-geglu ms", "speed-up"], rows) + [""]
+    mlp = result["mlp"]
+    peers = list(next(iter(mlp["forward"].values())))
+    title = f"hidden {mlp['hidden']}, intermediate {mlp['intermediate']}"
+    lines += [f"Gemma-2B MLP forward, ms ({title}):", ""]
+    rows = [
+        [tokens] + [ms(row[p]["ms"]) for p in peers]
+        for tokens, row in mlp["forward"].items()
+    ]
+    return lines + table(["tokens"] + [PEERS[p] for p in peers], rows) + [""]
+
+
+def render_summary() -> str:
+    """README.md's text between the markers."""
+    compare = max(RESULTS.glob("*-compare.json"))
+    lines = summary_section(compare, json.loads(compare.read_text()))
+    return "\n".join(lines) + "\n"
+
+
 def render() -> str:
-    """The text between the markers."""
+    """docs/results.md's text between the markers: every table."""
     compare = max(RESULTS.glob("*-compare.json"))
     lines = compare_section(compare, json.loads(compare.read_text()))
-    sections = {
-        "families": families_section,
-        "distributed": distributed_section,
-        "report": report_section,
-    }
+    sections = {"families": families_section, "distributed": distributed_section}
     for kind, section in sections.items():
-        paths = list(RESULTS.glob(f"*-{kind}.json"))
-        if paths:
-            path = max(paths)
+        if path := newest(kind):
             lines += section(path, json.loads(path.read_text()))
+    if path := newest("report"):
+        lines += report_section(path, json.loads(path.read_text()), link_root="../")
     return "\n".join(lines) + "\n"
+
+
+# Each file with its block's renderer.
+TARGETS = {README: render_summary, RESULTS_DOC: render}
 
 
 def draw_report_charts() -> None:
     """The newest report's PNG charts beside its JSON (matplotlib: not byte-stable, so
-    --check compares only the README text)."""
+    --check compares only the text)."""
     paths = list(RESULTS.glob("*-report.json"))
     if not paths:
         return
@@ -263,30 +311,44 @@ def draw_report_charts() -> None:
     report_module.charts(json.loads(path.read_text()), RESULTS, prefix=f"{path.stem}-")
 
 
-def replace_section(readme: str, section: str) -> str:
-    head, start, rest = readme.partition(START)
-    _, end, tail = rest.partition(END)
-    if not start or not end:
-        raise SystemExit(f"README.md lacks the {START} ... {END} markers")
+def replace_section(text: str, section: str, name: str = "README.md") -> str:
+    """``text`` with its one block between the markers replaced by ``section``."""
+    if text.count(START) != 1 or text.count(END) != 1:
+        raise SystemExit(f"{name} must have exactly one {START} ... {END} block")
+    head, _, rest = text.partition(START)
+    _, _, tail = rest.partition(END)
     return f"{head}{START}\n{section}{END}{tail}"
+
+
+def stale() -> list[Path]:
+    """The files whose generated block differs from the JSON."""
+    return [
+        path
+        for path, render_block in TARGETS.items()
+        if replace_section(
+            text := path.read_text(), render_block(), path.relative_to(ROOT).as_posix()
+        )
+        != text
+    ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--check", action="store_true", help="exit 1 if README.md is out of date"
+        "--check", action="store_true", help="exit 1 if a results block is out of date"
     )
     args = parser.parse_args()
-    readme = README.read_text()
-    updated = replace_section(readme, render())
     if args.check:
-        if updated != readme:
-            print("README.md results are out of date: run `make results`")
+        if paths := stale():
+            names = ", ".join(p.relative_to(ROOT).as_posix() for p in paths)
+            print(f"{names}: results are out of date: run `make results`")
             return 1
         return 0
-    README.write_text(updated)
+    for path, render_block in TARGETS.items():
+        name = path.relative_to(ROOT).as_posix()
+        path.write_text(replace_section(path.read_text(), render_block(), name))
     draw_report_charts()
-    print("README.md results regenerated")
+    print("README.md and docs/results.md results regenerated")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Release the kernel to the Hub (``make upload``): build build/, check it, then bring the
 Hub's kernel repository up to date. The repository and its ``v<version>`` branch are
-created when missing; build/ and benchmarks/ go to that branch, README.md (the card) to
-``main``; files whose content the Hub already has are skipped.
+created when missing; build/ and benchmarks/ go to that branch, README.md (the card)
+and docs/ to ``main``; files whose content the Hub already has are skipped.
 
 ``--dry-run`` does everything but the network and prints the operations, planned against
 a repository that does not exist yet or against ``--remote-state FILE`` (JSON:
@@ -18,23 +18,27 @@ import json
 import subprocess
 import sys
 import textwrap
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
 import torch
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.hf_api import RepoFile
 from kernels import Metadata, get_local_kernel
 
-from build import ROOT, build, git_revision
+from build import ROOT, build, git_revision, hub_urls
 
 GENERAL = tomllib.loads((ROOT / "build.toml").read_text())["general"]
 PYTHON_NAME = GENERAL["name"].replace("-", "_")
 API_RECORD = ROOT / "api" / "public_api.json"
 MAIN = "main"
+# The card and the documents it links, on MAIN.
+CARD = ["README.md"] + sorted(
+    p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")
+)
 # huggingface_hub 2.x knows the "kernel" repository type (constants.REPO_TYPE_KERNEL) for
 # create_repo, create_branch, create_commit and the listings; kernels 0.17 resolves
 # versions and downloads builds with repo_type="kernel", so releases go there.
@@ -184,7 +188,7 @@ def local_files(out: Path, variants: Sequence[Path], branch: str) -> list[Branch
     mirror = tuple(f"build/{variant.name}/" for variant in variants) + ("benchmarks/",)
     return [
         BranchFiles(branch, tuple(files), mirror),
-        BranchFiles(MAIN, (LocalFile.read("README.md", ROOT / "README.md"),)),
+        BranchFiles(MAIN, tuple(LocalFile.read(path, ROOT / path) for path in CARD)),
     ]
 
 
@@ -221,7 +225,12 @@ def absolute_package_imports(source: str) -> list[str]:
     return found
 
 
-def check(out: Path, variants: Sequence[Path], rev: str) -> list[str]:
+def check(
+    out: Path,
+    variants: Sequence[Path],
+    rev: str,
+    repo_id: str = GENERAL["hub"]["repo-id"],
+) -> list[str]:
     """Checks the build as users get it and returns the variants loaded through kernels;
     raises CheckError listing every problem."""
     problems = []
@@ -240,6 +249,9 @@ def check(out: Path, variants: Sequence[Path], rev: str) -> list[str]:
         raw = json.loads((variant / "metadata.json").read_text())
         for key in ("name", "version", "license"):
             if raw.get(key) != GENERAL[key]:
+                problems.append(f"{variant.name}: metadata {key} {raw.get(key)!r}")
+        for key, url in hub_urls(repo_id, GENERAL["version"]).items():
+            if raw.get(key) != url:
                 problems.append(f"{variant.name}: metadata {key} {raw.get(key)!r}")
         if raw.get("backend") != {"type": backend}:
             problems.append(f"{variant.name}: metadata backend {raw.get('backend')}")
@@ -430,9 +442,9 @@ def main() -> None:
     rev = git_revision()
     if rev == "nogit":
         sys.exit("not a git checkout: a release's build id names its commit")
-    variants = build(args.out)
+    variants = build(args.out, args.repo_id)
     try:
-        loaded = check(args.out, variants, rev)
+        loaded = check(args.out, variants, rev, args.repo_id)
     except CheckError as error:
         sys.exit(f"checks failed, nothing uploaded:\n{error}")
 

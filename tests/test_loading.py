@@ -8,13 +8,13 @@ import json
 import socket
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import huggingface_hub.constants
 import kernels
 import kernels.load
 import pytest
-import tomllib
 import torch
 from conftest import ROOT, run_python
 from kernels._rust import Backend
@@ -104,9 +104,40 @@ def test_metadata_matches_build_toml(built, backend):
     assert metadata.license == GENERAL["license"]
     assert metadata.backend.backend_type == Backend.from_str(backend)
     assert metadata.python_depends == [] and metadata.kernel_depends == []
+    repo = f"https://huggingface.co/kernels/{REPO_ID}"
+    assert metadata.upstream == repo
+    assert metadata.source == f"{repo}/tree/v{GENERAL['version']}"
     prefix = f"_{metadata.name.python_name}_{backend}_"
     assert metadata.id.startswith(prefix), metadata.id
     assert metadata.id.removeprefix(prefix).removesuffix("_dirty") == head_revision()
+
+
+def test_kernels_info_names_the_repository(built, tmp_path):
+    """`kernels info` on a checkout prints the Hub repository as Upstream and Source."""
+    (tmp_path / "build").symlink_to(built)
+    result = subprocess.run(
+        [sys.executable, "-c", "from kernels.cli import main; main()"]
+        + ["info", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    repo = f"https://huggingface.co/kernels/{REPO_ID}"
+    assert f"Upstream: {repo}\n" in result.stdout
+    assert f"Source: {repo}/tree/v{GENERAL['version']}\n" in result.stdout
+
+
+def test_build_repo_id_override(tmp_path):
+    """`build.py --repo-id` (upload.py passes its --repo-id) names that repository."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "build.py"), "--out", str(tmp_path)]
+        + ["--repo-id", "someone/other-geglu"],
+        check=True,
+        capture_output=True,
+    )
+    metadata = kernels.Metadata.read_from_file(tmp_path / "torch-cpu" / "metadata.json")
+    assert metadata.upstream == "https://huggingface.co/kernels/someone/other-geglu"
 
 
 def test_ids_unique_per_backend(built):
@@ -207,7 +238,7 @@ def test_layer_repository_with_local_override(fused_geglu, local_kernels):
 
 def test_layer_repository_version_needs_the_hub(local_kernels, monkeypatch, tmp_path):
     """LayerRepository turns ``version=`` into a commit through the Hub's refs before it
-    consults LOCAL_KERNELS, so offline overrides need ``revision=`` (README says so)."""
+    consults LOCAL_KERNELS, so offline overrides need ``revision=`` (docs/usage.md says so)."""
     monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))  # an empty cache: no refs
     repo = kernels.LayerRepository(REPO_ID, layer_name="GeGLUMLP", version=1)
     with pytest.raises(ValueError, match="not available in the local cache"):

@@ -217,12 +217,41 @@ def test_compare_interleaves_training_timings(monkeypatch):
     assert timed == {"a": (2.0, [3.0, 1.0, 2.0]), "b": (5.0, [5.0, 4.0, 6.0])}
 
 
-def test_readme_results_match_json():
-    """README's results section is exactly what render_results.py makes of the JSON."""
+def test_results_match_json():
+    """README's summary and docs/results.md's tables are exactly what render_results.py
+    makes of the JSON, each in its one block."""
     render = load_script("render_results")
-    readme = (ROOT / "README.md").read_text()
-    assert render.replace_section(readme, render.render()) == readme, (
-        "README.md results differ from benchmarks/results/*.json: run `make results`"
+    assert set(render.TARGETS) == {ROOT / "README.md", ROOT / "docs" / "results.md"}
+    assert render.stale() == [], "results differ from the JSON: run `make results`"
+
+
+def test_results_check_command():
+    """`render_results.py --check`, as CI or a user runs it."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "render_results.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_summary_numbers_come_from_json():
+    """The README's summary quotes the families and MLP rows of the committed JSON."""
+    render = load_script("render_results")
+    summary = render.render_summary()
+    families = json.loads(render.newest("families").read_text())["families"]
+    for name, row in families.items():
+        assert f"| {name} |" in summary and render.ms(row["ours_ms"]) in summary
+    assert "Gemma-2B MLP forward" in summary
+
+
+def test_one_block_per_file():
+    render = load_script("render_results")
+    with pytest.raises(SystemExit, match="exactly one"):
+        render.replace_section(f"{render.START}{render.END}" * 2, "x")
+    assert render.replace_section(f"a{render.START}old{render.END}b", "new\n") == (
+        f"a{render.START}\nnew\n{render.END}b"
     )
 
 

@@ -69,7 +69,8 @@ def test_local_files(targets):
     assert not [
         p for p in paths if "__pycache__" in p or p.startswith("benchmarks/out/")
     ]
-    assert [f.path for f in card.files] == ["README.md"]
+    docs = sorted(f"docs/{p.name}" for p in (upload.ROOT / "docs").glob("*.md"))
+    assert docs and [f.path for f in card.files] == ["README.md"] + docs
 
 
 def test_fresh_repository(targets):
@@ -103,19 +104,19 @@ def test_existing_repository_without_the_branch(targets):
 
 
 def test_unchanged_tree_uploads_nothing(targets):
-    files, _ = targets
+    files, card = targets
     remote = remote_holding(targets)
     # An LFS file is known by its sha256, not its blob id.
     lfs = files.files[-1]
     remote.branches[BRANCH][lfs.path] = lfs.sha256
     assert plan(targets, remote) == [
         upload.SkipUnchanged(BRANCH, tuple(f.path for f in files.files)),
-        upload.SkipUnchanged("main", ("README.md",)),
+        upload.SkipUnchanged("main", tuple(f.path for f in card.files)),
     ]
 
 
 def test_changed_and_stale_files(targets):
-    files, _ = targets
+    files, card = targets
     remote = remote_holding(targets)
     changed = files.files[0]
     remote.branches[BRANCH][changed.path] = "f" * 40
@@ -132,7 +133,7 @@ def test_changed_and_stale_files(targets):
         MESSAGE,
     )
     assert skip.paths == tuple(f.path for f in files.files[1:])
-    assert skip_card == upload.SkipUnchanged("main", ("README.md",))
+    assert skip_card == upload.SkipUnchanged("main", tuple(f.path for f in card.files))
 
 
 @pytest.mark.parametrize("dirty", [False, True])
@@ -146,16 +147,15 @@ def test_dirty_tree_is_said(targets, dirty):
 
 
 def test_describe(targets):
-    files, _ = targets
+    files, card = targets
     lines = [op.describe() for op in plan(targets, upload.RemoteState(exists=False))]
     assert lines[0] == f"create repo {REPO_ID} (type kernel)"
     assert lines[1] == f"create branch {BRANCH} (from main)"
     assert lines[2].startswith(f'upload {len(files.files)} file(s) to {BRANCH}: "')
     assert f"    + {files.files[0].path}" in lines[2].splitlines()
     assert lines[3].splitlines() == [
-        f'upload 1 file(s) to main: "{MESSAGE}"',
-        "    + README.md",
-    ]
+        f'upload {len(card.files)} file(s) to main: "{MESSAGE}"',
+    ] + [f"    + {f.path}" for f in card.files]
 
 
 # --- the Hub calls, against a recording stand-in for HfApi -----------------------------

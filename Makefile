@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum requirements-test.txt | cut -d' ' -f1)
 
-.PHONY: setup build test demo lint bench report results upload clean
+.PHONY: setup build test demo lint bench report e2e results upload clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: build
 # Profiling report into benchmarks/out/; e.g. `make report ARGS="--tokens 1 64"`.
 report: build
 	$(PY) scripts/report.py $(ARGS)
+
+# Gemma-2B-shaped model, eager against kernelized (CUDA GPU); e.g. `make e2e ARGS="--layers 2"`.
+e2e: build
+	$(PY) benchmarks/e2e.py $(ARGS)
 
 # The results in README.md (a summary) and docs/results.md, from benchmarks/results/*.json.
 results: $(STAMP)

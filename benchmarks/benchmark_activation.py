@@ -3,17 +3,17 @@
 
 Each verify_ returns eager PyTorch's result, which the runner compares with self.out and
 times as the reference. On a GPU: Gemma-2B's intermediate size (16384) in bfloat16. Without
-one: tiny float32 shapes in the Triton interpreter, chosen here before triton is imported.
+one: tiny float32 shapes in the Triton interpreter, chosen (bench_lib) before triton is imported.
 """
 
-import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-if not torch.accelerator.is_available():  # no accelerator: Triton only interprets
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by file path
+from bench_lib import Workloads  # also picks the interpreter without a GPU
 from kernels.benchmark import Benchmark
 
 # (tokens, d): gate and up are [tokens, d].
@@ -23,51 +23,18 @@ SHAPES = {
 }
 
 
-class Workloads:
-    """setup_/benchmark_/verify_ of the small, medium and large workloads, from the
-    subclass's run() (sets self.out) and reference()."""
+class ActivationWorkloads(Workloads):
+    SHAPES = SHAPES
 
-    seed = 0
-
-    def make(self, workload: str) -> None:
-        gpu = self.device != "cpu"
-        tokens, d = SHAPES["gpu" if gpu else "cpu"][workload]
-        dtype = torch.bfloat16 if gpu else torch.float32
+    def make(self, tokens: int, d: int, dtype: torch.dtype) -> None:
         # |gelu(gate) * up| < 1, so one bf16 ulp stays under the runner's atol of 1e-2.
         self.gate = torch.rand(tokens, d, device=self.device, dtype=dtype) * 6 - 3
         self.up = torch.rand(tokens, d, device=self.device, dtype=dtype) * 0.6 - 0.3
         self.x = torch.cat([self.gate, self.up], dim=-1)  # [tokens, 2d] for *_and_mul
         self.out = torch.empty_like(self.gate)
 
-    def setup_small(self):
-        self.make("small")
 
-    def benchmark_small(self):
-        self.run()
-
-    def verify_small(self):
-        return self.reference()
-
-    def setup_medium(self):
-        self.make("medium")
-
-    def benchmark_medium(self):
-        self.run()
-
-    def verify_medium(self):
-        return self.reference()
-
-    def setup_large(self):
-        self.make("large")
-
-    def benchmark_large(self):
-        self.run()
-
-    def verify_large(self):
-        return self.reference()
-
-
-class GeluAndMulBenchmark(Workloads, Benchmark):
+class GeluAndMulBenchmark(ActivationWorkloads, Benchmark):
     def run(self):
         self.kernel.gelu_and_mul(self.out, self.x)
 
@@ -75,7 +42,7 @@ class GeluAndMulBenchmark(Workloads, Benchmark):
         return F.gelu(self.gate) * self.up
 
 
-class GeluTanhAndMulBenchmark(Workloads, Benchmark):
+class GeluTanhAndMulBenchmark(ActivationWorkloads, Benchmark):
     def run(self):
         self.kernel.gelu_tanh_and_mul(self.out, self.x)
 
@@ -83,7 +50,7 @@ class GeluTanhAndMulBenchmark(Workloads, Benchmark):
         return F.gelu(self.gate, approximate="tanh") * self.up
 
 
-class GeGLUBenchmark(Workloads, Benchmark):
+class GeGLUBenchmark(ActivationWorkloads, Benchmark):
     """`geglu` on separate gate and up tensors, as layers.GeGLUMLP calls it."""
 
     def run(self):

@@ -4,17 +4,17 @@ optionally a GeLU) in the GEMM epilogue.
 Each verify_ returns eager PyTorch's result (cuBLAS `F.linear` on a GPU), which the runner
 compares with self.out and times as the reference. On a GPU: Gemma-2B projection shapes in
 bfloat16. Without one: tiny float32 shapes in the Triton interpreter (bf16 `tl.dot` is not
-supported there), chosen here before triton is imported.
+supported there), chosen (bench_lib) before triton is imported.
 """
 
-import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-if not torch.accelerator.is_available():  # no accelerator: Triton only interprets
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by file path
+from bench_lib import Workloads  # also picks the interpreter without a GPU
 from kernels.benchmark import Benchmark
 
 # (M tokens, N out features, K in features)
@@ -28,16 +28,10 @@ SHAPES = {
 }
 
 
-class Workloads:
-    """setup_/benchmark_/verify_ of the small, medium and large workloads, from the
-    subclass's run() (sets self.out) and reference()."""
+class LinearWorkloads(Workloads):
+    SHAPES = SHAPES
 
-    seed = 0
-
-    def make(self, workload: str) -> None:
-        gpu = self.device != "cpu"
-        m, n, k = SHAPES["gpu" if gpu else "cpu"][workload]
-        dtype = torch.bfloat16 if gpu else torch.float32
+    def make(self, m: int, n: int, k: int, dtype: torch.dtype) -> None:
         # Outputs of std ~0.13 stay under 1, so a bf16 ulp is below the runner's atol (1e-2).
         self.x = torch.randn(m, k, device=self.device, dtype=dtype)
         self.weight = torch.randn(n, k, device=self.device, dtype=dtype) * (
@@ -45,35 +39,8 @@ class Workloads:
         )
         self.bias = torch.randn(n, device=self.device, dtype=dtype) * 0.05
 
-    def setup_small(self):
-        self.make("small")
 
-    def benchmark_small(self):
-        self.run()
-
-    def verify_small(self):
-        return self.reference()
-
-    def setup_medium(self):
-        self.make("medium")
-
-    def benchmark_medium(self):
-        self.run()
-
-    def verify_medium(self):
-        return self.reference()
-
-    def setup_large(self):
-        self.make("large")
-
-    def benchmark_large(self):
-        self.run()
-
-    def verify_large(self):
-        return self.reference()
-
-
-class LinearBiasBenchmark(Workloads, Benchmark):
+class LinearBiasBenchmark(LinearWorkloads, Benchmark):
     def run(self):
         self.out = self.kernel.linear(self.x, self.weight, self.bias)
 
@@ -81,7 +48,7 @@ class LinearBiasBenchmark(Workloads, Benchmark):
         return F.linear(self.x, self.weight, self.bias)
 
 
-class LinearBiasGeluTanhBenchmark(Workloads, Benchmark):
+class LinearBiasGeluTanhBenchmark(LinearWorkloads, Benchmark):
     """Bias and tanh GeLU both in the epilogue; eager runs the GeLU as a second kernel."""
 
     def run(self):

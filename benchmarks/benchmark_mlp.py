@@ -5,17 +5,17 @@ kernelize swaps in) and the dual GEMM (`geglu_mlp`, two kernels).
 Each verify_ returns the eager MLP's result (transformers' GemmaMLP computation), which the
 runner compares with self.out and times as the reference. On a GPU: Gemma-2B (hidden 2048,
 intermediate 16384) in bfloat16. Without one: tiny float32 shapes in the Triton interpreter
-(bf16 `tl.dot` is not supported there), chosen here before triton is imported.
+(bf16 `tl.dot` is not supported there), chosen (bench_lib) before triton is imported.
 """
 
-import os
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
-if not torch.accelerator.is_available():  # no accelerator: Triton only interprets
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by file path
+from bench_lib import Workloads  # also picks the interpreter without a GPU
 from kernels.benchmark import Benchmark
 
 # (tokens, hidden, intermediate)
@@ -29,16 +29,12 @@ SHAPES = {
 }
 
 
-class Workloads:
-    """setup_/benchmark_/verify_ of the small, medium and large workloads, from the
-    subclass's run() (sets self.out); verify_ is the eager MLP."""
+class MLPWorkloads(Workloads):
+    """verify_ is the eager MLP for every subclass."""
 
-    seed = 0
+    SHAPES = SHAPES
 
-    def make(self, workload: str) -> None:
-        gpu = self.device != "cpu"
-        tokens, hidden, inter = SHAPES["gpu" if gpu else "cpu"][workload]
-        dtype = torch.bfloat16 if gpu else torch.float32
+    def make(self, tokens: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
         self.x = torch.randn(tokens, hidden, device=self.device, dtype=dtype)
         # gate and up of std ~1; down scaled so outputs stay well under 1 (runner atol 1e-2).
         self.mlp = nn.Module()
@@ -56,35 +52,8 @@ class Workloads:
         m = self.mlp
         return m.down_proj(m.act_fn(m.gate_proj(self.x)) * m.up_proj(self.x))
 
-    def setup_small(self):
-        self.make("small")
 
-    def benchmark_small(self):
-        self.run()
-
-    def verify_small(self):
-        return self.reference()
-
-    def setup_medium(self):
-        self.make("medium")
-
-    def benchmark_medium(self):
-        self.run()
-
-    def verify_medium(self):
-        return self.reference()
-
-    def setup_large(self):
-        self.make("large")
-
-    def benchmark_large(self):
-        self.run()
-
-    def verify_large(self):
-        return self.reference()
-
-
-class GeGLUMLPLayerBenchmark(Workloads, Benchmark):
+class GeGLUMLPLayerBenchmark(MLPWorkloads, Benchmark):
     """layers.GeGLUMLP.forward on the module, as kernelize runs it: the projections'
     own forwards (cuBLAS) and the fused activation."""
 
@@ -92,7 +61,7 @@ class GeGLUMLPLayerBenchmark(Workloads, Benchmark):
         self.out = self.kernel.layers.GeGLUMLP.forward(self.mlp, self.x)
 
 
-class GeGLUMLPDualGemmBenchmark(Workloads, Benchmark):
+class GeGLUMLPDualGemmBenchmark(MLPWorkloads, Benchmark):
     """geglu_mlp: the gate/up dual GEMM with the GeGLU epilogue, then the down GEMM."""
 
     def run(self):

@@ -15,33 +15,22 @@ Exits 1 if a row disagrees.
 """
 
 import argparse
-import datetime
 import functools
-import importlib.util
 import json
 import math
 import statistics
 import sys
 from pathlib import Path
 
+import bench_lib as lib
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
 # Per replay: do_bench's L2 flush and the graph's launch cost a few us, spread over the
 # calls. With 10 calls per replay the 19 us GEMMs read 3-5% slower than the report's
 # (benchmarks/NOTES.md); about 1 ms of calls per replay should make that under 1%.
 REPLAY_MS = 1.0
 MAX_REPLAY_CALLS = 200
 MIN_TOLERANCE = 0.05
-
-
-def load_report_module():
-    spec = importlib.util.spec_from_file_location(
-        "report", ROOT / "scripts" / "report.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def quantiles(times: list[float]) -> tuple[float, float, float]:
@@ -97,7 +86,6 @@ def check(report: dict, ours, timers: dict | None = None) -> list[dict]:
     """One row per (stage, tokens) of ``report``; ``timers`` maps the report's timer name
     to a function of (call, the report's time) returning per-call times (the GPU routes
     above by default)."""
-    rep = load_report_module()
     timers = timers or {
         "do_bench_cudagraph": graph_replay_times,
         "do_bench": plain_times,
@@ -106,7 +94,7 @@ def check(report: dict, ours, timers: dict | None = None) -> list[dict]:
     dtype = getattr(torch, cfg["dtype"])
     time_key = cfg["time_key"]
     torch.manual_seed(1)  # other inputs than the report's (seed 0)
-    stages, _ = rep.build_stages(
+    stages, _ = lib.stages(
         list(report["stages"]), ours, cfg["hidden"], cfg["intermediate"], dtype
     )
     rows = []
@@ -114,7 +102,7 @@ def check(report: dict, ours, timers: dict | None = None) -> list[dict]:
         for stage in stages:
             for tokens_key, reported in report["stages"][stage.name]["rows"].items():
                 x = torch.randn(
-                    int(tokens_key), cfg["hidden"], dtype=dtype, device=rep.DEVICE
+                    int(tokens_key), cfg["hidden"], dtype=dtype, device=lib.DEVICE
                 )
                 fn = functools.partial(stage.fn, x)
                 fn()  # compiles the torch.compile stages before timing
@@ -130,18 +118,12 @@ def main(argv=None) -> int:
     parser.add_argument("report", type=Path)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    lib.require_cuda("benchmarks/check_report.py")
     report = json.loads(args.report.read_text())
-    from kernels import get_local_kernel
-
-    rows = check(report, get_local_kernel(ROOT))
+    ours = lib.load_ours()
+    rows = check(report, ours)
     result = {
-        "env": {
-            "date": datetime.date.today().isoformat(),
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": report["env"]["triton"],
-            "report_date": report["env"]["date"],
-        },
+        "env": lib.environment(ours) | {"report_date": report["env"]["date"]},
         "method": __doc__.split("\n\n")[1],
         "rows": rows,
     }

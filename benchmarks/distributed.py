@@ -10,18 +10,15 @@ Times are medians over ``--steps`` CUDA-event-timed calls after warm-up, taken o
 
 import argparse
 import copy
-import datetime
 import json
 import os
-import platform
 import statistics
 import tempfile
 from pathlib import Path
 
+import bench_lib as lib
 import torch
 import torch.distributed as dist
-import transformers
-import triton
 from kernels import (
     LocalLayerRepository,
     Mode,
@@ -107,6 +104,7 @@ def main():
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
+    lib.require_cuda("benchmarks/distributed.py")
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
@@ -114,15 +112,7 @@ def main():
     config = GemmaConfig(**CONFIG)
     ids = torch.randint(0, CONFIG["vocab_size"], (args.batch, args.seq), device=device)
     result = {
-        "env": {
-            "date": datetime.date.today().isoformat(),
-            "gpu": torch.cuda.get_device_name(),
-            "world_size": dist.get_world_size(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },
+        "env": lib.environment() | {"world_size": dist.get_world_size()},
         "model": {**CONFIG, "dtype": "bfloat16", "tokens_per_rank": ids.numel()},
     }
     with tempfile.TemporaryDirectory() as own_tmp:

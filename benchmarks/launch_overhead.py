@@ -2,35 +2,22 @@
 Triton's ``JITFunction.run`` (``kernel[grid](...)``) and its pieces (the argument binder,
 the cache key), and the compiled kernel's launcher called directly (``ck.run``), for the
 portable kernel at 1 token and the TMA kernel at 2048 tokens (GPU only; prints µs per
-call over 200-call loops). Outputs: benchmarks/results/*-launch-overhead-*.txt.
+call: bench_lib.host_us, interleaved rounds of 20-call loops; the runs committed before
+it used one 200-call loop each). Outputs: benchmarks/results/*-launch-overhead-*.txt.
 
 Usage: python benchmarks/launch_overhead.py (after `make build`)
 """
 
-import time
-from pathlib import Path
-
+import bench_lib as lib  # first: it picks the interpreter without a GPU
 import torch
-from kernels import get_local_kernel
 from triton._C.libtriton import native_specialize_impl
 from triton.runtime.driver import driver
 from triton.runtime.jit import compute_cache_key
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def per_call_us(fn, n=200):
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    e = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return e / n * 1e6
-
 
 def main():
-    ours = get_local_kernel(ROOT)
+    lib.require_cuda("benchmarks/launch_overhead.py")
+    ours = lib.load_ours()
     g = ours.gemm
     recorded = {}  # kernel name -> (args, kwargs, compiled kernel) of its last launch
     for name in ("_gemm_kernel", "_gemm_tma_kernel"):
@@ -96,8 +83,8 @@ def main():
                 ),
             }
             print(f"tokens {tokens} {kname} ({len(a)} positional, {len(kw)} kw):")
-            for name, fn in res.items():
-                print(f"  {name:28s} {per_call_us(fn):7.1f} us", flush=True)
+            for name, us in lib.host_us(res).items():
+                print(f"  {name:28s} {us:7.1f} us", flush=True)
 
 
 if __name__ == "__main__":

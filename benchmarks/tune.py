@@ -7,19 +7,12 @@ import argparse
 import json
 from pathlib import Path
 
+import bench_lib as lib
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench, do_bench_cudagraph
 
-ROOT = Path(__file__).resolve().parent.parent
 KEYS = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"]
-
-
-def bench(fn, graph=False):
-    if graph:
-        return do_bench_cudagraph(fn, return_mode="median")
-    return do_bench(fn, warmup=25, rep=150, return_mode="median")
 
 
 def elementwise(act):
@@ -29,20 +22,22 @@ def elementwise(act):
     g, u, dy = (torch.randn(8192, 16384, dtype=dt, device="cuda") for _ in range(3))
     x = torch.randn(8192, 2 * 16384, dtype=dt, device="cuda")
     out = torch.empty_like(g)
-    result = {"copy_ms": bench(lambda: out.copy_(g))}
+    result = {"copy_ms": lib.bench_ms(lambda: out.copy_(g))}
     default = act.FLAT_BLOCK, act.FLAT_WARPS
     for cfg in [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]:
         act.FLAT_BLOCK, act.FLAT_WARPS = cfg
         result[f"flat{cfg}"] = {
-            "fwd_ms": bench(lambda: act.geglu_fwd(g, u, out, "tanh")),
-            "bwd_ms": bench(lambda: act.geglu_bwd(dy, g, u, "tanh")),
+            "fwd_ms": lib.bench_ms(lambda: act.geglu_fwd(g, u, out, "tanh")),
+            "bwd_ms": lib.bench_ms(lambda: act.geglu_bwd(dy, g, u, "tanh")),
         }
         print("flat", cfg, result[f"flat{cfg}"], flush=True)
     act.FLAT_BLOCK, act.FLAT_WARPS = default
     default = act._elementwise_config
     for cfg in [(4, 1024, 4), (2, 2048, 4), (4, 2048, 8), (1, 4096, 8)]:
         act._elementwise_config = lambda n, e, cfg=cfg: cfg
-        ms = bench(lambda: act.geglu_fwd(x[:, :16384], x[:, 16384:], out, "tanh"))
+        ms = lib.bench_ms(
+            lambda: act.geglu_fwd(x[:, :16384], x[:, 16384:], out, "tanh")
+        )
         result[f"rows{cfg}"] = {"fwd_ms": ms}
         print("rows", cfg, ms, flush=True)
     act._elementwise_config = default
@@ -68,7 +63,7 @@ def gemms(ours):
         for cfg in cands:
             gm._gemm_config = lambda *a, cfg=cfg: dict(zip(KEYS, cfg))
             try:
-                result[key][str(cfg)] = bench(fn, graph)
+                result[key][str(cfg)] = lib.bench_ms(fn, graph)
             except triton.runtime.errors.OutOfResources as e:  # shared memory
                 result[key][str(cfg)] = repr(e)[:100]
             print(key, cfg, result[key][str(cfg)], flush=True)
@@ -80,7 +75,7 @@ def gemms(ours):
         b = torch.randn(n, dtype=dt, device="cuda")
         key = f"linear/{m}x{n}x{k}"
         sweep(key, lambda: ours.linear(x, w, b), single)
-        result[key]["cublas"] = bench(lambda: F.linear(x, w, b))
+        result[key]["cublas"] = lib.bench_ms(lambda: F.linear(x, w, b))
     h, i = 2048, 16384
     wg, wu = (torch.randn(i, h, dtype=dt, device="cuda") / h**0.5 for _ in range(2))
     wd = torch.randn(h, i, dtype=dt, device="cuda") / i**0.5
@@ -94,7 +89,7 @@ def gemms(ours):
             small if graph else dual,
             graph,
         )
-        result[f"dual/{tokens}"]["cublas_x2"] = 2 * bench(
+        result[f"dual/{tokens}"]["cublas_x2"] = 2 * lib.bench_ms(
             lambda: F.linear(x, wg), graph
         )
         if graph:
@@ -107,13 +102,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    from kernels import get_local_kernel
-
-    ours = get_local_kernel(ROOT)
+    lib.require_cuda("benchmarks/tune.py")
+    ours = lib.load_ours()
     result = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        "env": lib.environment(ours),
         "elementwise": elementwise(ours.activation),
         "gemm": gemms(ours),
     }

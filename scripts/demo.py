@@ -8,24 +8,18 @@ numerics, but its timings say nothing about GPU speed."""
 
 import copy
 import logging
-import os
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_lib as lib  # first: it picks the interpreter without a GPU
 import torch
-
-HAS_GPU = torch.cuda.is_available()
-if not HAS_GPU:
-    # Triton picks the interpreter when it is first imported (by the kernel, below).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from kernels import (
     LocalLayerRepository,
     Mode,
-    get_local_kernel,
     kernelize,
     replace_kernel_forward_from_hub,
     use_kernel_mapping,
@@ -35,8 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import GemmaConfig, GemmaForCausalLM
 from transformers.models.gemma.modeling_gemma import GemmaMLP
 
-ROOT = Path(__file__).resolve().parent.parent
-DEVICE = "cuda" if HAS_GPU else "cpu"
+HAS_GPU, DEVICE = lib.HAS_GPU, lib.DEVICE
 
 # Tiny on the CPU (the interpreter is slow); on a GPU, Gemma-2B-like MLPs in bfloat16.
 if HAS_GPU:
@@ -51,18 +44,10 @@ else:
 ATOL, RTOL = (1e-2, 2e-2) if DTYPE == torch.bfloat16 else (1e-4, 1e-4)
 
 
-def sync():
-    if HAS_GPU:
-        torch.cuda.synchronize()
-
-
 def timed(steps, label, note, fn):
     """Run ``fn``, append (label, seconds, note) to ``steps``, return its result."""
-    sync()
-    start = time.perf_counter()
-    result = fn()
-    sync()
-    steps.append((label, time.perf_counter() - start, note))
+    result, ms = lib.timed(fn)
+    steps.append((label, ms / 1e3, note))
     return result
 
 
@@ -90,11 +75,10 @@ def kernels_per_forward(model, ids):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if HAS_GPU else [])
     with torch.no_grad(), profile(activities=activities) as prof:
         model(ids)
-        sync()
-    ops, gpu = Counter(), Counter()
-    for event in prof.events():
-        (gpu if event.device_type == DeviceType.CUDA else ops)[event.name] += 1
-    return ops, gpu
+        lib.sync()
+    events = prof.events()
+    ops = Counter(e.name for e in events if e.device_type != DeviceType.CUDA)
+    return ops, lib.kernel_counts(events, gpu=True)
 
 
 def print_counts(title, counts):
@@ -111,18 +95,13 @@ def main() -> int:
             "No GPU found: the Triton kernels run in the Triton interpreter on the CPU\n"
             "(TRITON_INTERPRET=1). This checks the numerics; CPU timings are not GPU timings."
         )
-    if not (ROOT / "build").is_dir():
-        print("build/ is missing: run `make build` (`make demo` does it)")
-        return 1
     # Layers we do not map (rotary embedding, GeluTanh) keep their forward; kernelize
     # warns about each one. Whether our layer was swapped in is checked below.
     logging.getLogger("kernels").setLevel(logging.ERROR)
     torch.manual_seed(0)
     steps = []
 
-    fused_geglu = timed(
-        steps, "load kernel", "get_local_kernel(build/)", lambda: get_local_kernel(ROOT)
-    )
+    fused_geglu = timed(steps, "load kernel", "get_local_kernel(build/)", lib.load_ours)
     namespace = fused_geglu._ops.ops.name
     size = (
         f"{SIZES['num_hidden_layers']} layers, hidden {SIZES['hidden_size']}, {DTYPE}"

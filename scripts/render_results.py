@@ -12,7 +12,6 @@ digits below 0.1 ms; fractions to 2 decimals; µs and MiB to integers.
 """
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -36,6 +35,29 @@ PEERS = {
     "compile": "torch.compile",
     "liger": "Liger",
 }
+
+
+# Keys of results written before benchmarks/bench_lib.py named every peer one way.
+RENAMED = {
+    "gpu": "device",
+    "bf16_matmul_TFLOPs": "matmul_TFLOPs",
+    "cublas": "eager",
+    "mm_then_add": "eager_mm_then_add",
+    "ours_vs_cublas": "ours_vs_eager",
+}
+
+
+def renamed(value):
+    """Parsed JSON with its older keys under today's names (RENAMED)."""
+    if isinstance(value, dict):
+        return {RENAMED.get(k, k): renamed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [renamed(v) for v in value]
+    return value
+
+
+def load(path: Path) -> dict:
+    return renamed(json.loads(path.read_text()))
 
 
 def ms(value: float | None) -> str:
@@ -67,7 +89,7 @@ def compare_section(path: Path, result: dict) -> list[str]:
     tune = path.with_name(path.name.replace("-compare.json", "-tune.json"))
     peers = f"liger-kernel {env['liger_kernel']}" if env["liger_kernel"] else "no Liger"
     text = (
-        f"Measured on one {env['gpu']} on {env['date']} (torch {env['torch']}, Triton "
+        f"Measured on one {env['device']} on {env['date']} (torch {env['torch']}, Triton "
         f"{env['triton']}, transformers {env['transformers']}, {peers}), every peer in "
         f"the same run, medians of `triton.testing.do_bench` (CUDA-graph replay for 64 "
         f"tokens or fewer). Source: `{path.relative_to(ROOT)}`, made by "
@@ -80,7 +102,7 @@ def compare_section(path: Path, result: dict) -> list[str]:
         )
     text += (
         f". Ceilings measured in that run: copy {ceil['copy_TBps']:.2f} TB/s, 8192^3 "
-        f"bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s."
+        f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s."
     )
     lines = paragraph(text)
 
@@ -102,8 +124,8 @@ def compare_section(path: Path, result: dict) -> list[str]:
     head += ["`mm` then `+ bias`", "`linear` speed / cuBLAS's"]
     rows = [
         [f"{r['M']}, {r['N']}, {r['K']}"]
-        + [ms(r[k]["ms"]) for k in ("ours", "cublas", "compile", "mm_then_add")]
-        + [frac(r["ours_vs_cublas"])]
+        + [ms(r[k]["ms"]) for k in ("ours", "eager", "compile", "eager_mm_then_add")]
+        + [frac(r["ours_vs_eager"])]
         for r in lin["forward"]
     ]
     lines += table(head, rows) + [""]
@@ -139,14 +161,34 @@ def compare_section(path: Path, result: dict) -> list[str]:
         f"MLP forward+backward at {FWD_BWD_TOKENS} tokens (peak extra memory in "
         f"parentheses): " + ", ".join(parts) + "."
     )
+    if "host" in result:
+        lines += host_section(result["host"])
     return lines
+
+
+def host_section(host: dict) -> list[str]:
+    """compare.py's host µs per call of every public op and layer."""
+    shape = host["shape"]
+    ops = {op: r for op, r in host.items() if op not in ("shape", "dtype")}
+    peers = list(dict.fromkeys(p for r in ops.values() for p in r))
+    lines = paragraph(
+        f"Host (CPU) time per call, µs, {shape['tokens']} token, hidden "
+        f"{shape['hidden']}, intermediate {shape['intermediate']} (layers of the "
+        f"families at their sizes), {host['dtype']}: interleaved rounds of 20-call loops, "
+        f"median. `ours` is the op or layer named in the row."
+    )
+    rows = [
+        [op] + [f"{r[p]:.0f}" if p in r else "-" for p in peers]
+        for op, r in ops.items()
+    ]
+    return lines + table(["op or layer"] + peers, rows) + [""]
 
 
 def families_section(path: Path, result: dict) -> list[str]:
     """compare.py --only families: each family's layer against its eager module."""
     env = result["env"]
     lines = paragraph(
-        f"Each family's feed-forward, inference, bf16, {env['gpu']}, {env['date']} (torch "
+        f"Each family's feed-forward, inference, bf16, {env['device']}, {env['date']} (torch "
         f"{env['torch']}, Triton {env['triton']}, transformers {env['transformers']}): GPU "
         f"time by CUDA-graph replay, host time per call beside it. Source: "
         f"`{path.relative_to(ROOT)}`, made by `python benchmarks/compare.py --only families`."
@@ -165,7 +207,7 @@ def distributed_section(path: Path, result: dict) -> list[str]:
     """benchmarks/distributed.py: a kernelized model against eager on several GPUs."""
     env, model = result["env"], result["model"]
     lines = paragraph(
-        f"Distributed, {env['world_size']} x {env['gpu']}, {env['date']} (torch "
+        f"Distributed, {env['world_size']} x {env['device']}, {env['date']} (torch "
         f"{env['torch']}, Triton {env['triton']}, transformers {env['transformers']}): a "
         f"Gemma model with Gemma-2B's layer shapes, {model['num_hidden_layers']} layers, "
         f"{model['num_key_value_heads']} key/value heads, bf16, "
@@ -282,13 +324,13 @@ def render_summary() -> str:
 def render() -> str:
     """docs/results.md's text between the markers: every table."""
     compare = max(RESULTS.glob("*-compare.json"))
-    lines = compare_section(compare, json.loads(compare.read_text()))
+    lines = compare_section(compare, load(compare))
     sections = {"families": families_section, "distributed": distributed_section}
     for kind, section in sections.items():
         if path := newest(kind):
-            lines += section(path, json.loads(path.read_text()))
+            lines += section(path, load(path))
     if path := newest("report"):
-        lines += report_section(path, json.loads(path.read_text()), link_root="../")
+        lines += report_section(path, load(path), link_root="../")
     return "\n".join(lines) + "\n"
 
 
@@ -303,12 +345,9 @@ def draw_report_charts() -> None:
     if not paths:
         return
     path = max(paths)
-    spec = importlib.util.spec_from_file_location(
-        "report", ROOT / "scripts" / "report.py"
-    )
-    report_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report_module)
-    report_module.charts(json.loads(path.read_text()), RESULTS, prefix=f"{path.stem}-")
+    import report  # beside this script; imports torch, so only here
+
+    report.charts(json.loads(path.read_text()), RESULTS, prefix=f"{path.stem}-")
 
 
 def replace_section(text: str, section: str, name: str = "README.md") -> str:

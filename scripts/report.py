@@ -13,39 +13,22 @@ in the Triton interpreter: times are CPU wall times, not GPU times; the profiler
 outermost aten/custom ops instead of GPU kernels; no ceilings, so no roofline fractions.
 """
 
-import os
-
-import torch
-
-HAS_GPU = torch.cuda.is_available()
-if not HAS_GPU:
-    # Triton picks the interpreter when it is first imported (by the kernel, below).
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import argparse
-import datetime
 import functools
 import json
-import platform
-import statistics
+import os
 import sys
 import tempfile
-import time
-import types
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_lib as lib  # first: it picks the interpreter without a GPU
+import torch
 import torch._dynamo
-from torch import nn
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-DEVICE = "cuda" if HAS_GPU else "cpu"
+HAS_GPU = lib.HAS_GPU
 if HAS_GPU:  # Gemma-2B
     DEFAULTS = {"hidden": 2048, "intermediate": 16384, "dtype": "bfloat16"}
     DEFAULTS["tokens"] = [1, 16, 64, 512, 8192]
@@ -56,184 +39,21 @@ TIME_KEY = "gpu_ms" if HAS_GPU else "cpu_ms"
 TIME_LABEL = (
     "GPU ms (median)" if HAS_GPU else "CPU ms (Triton interpreter wall time, not GPU)"
 )
-STAGES = {
-    "linear_eager": "eager nn.Linear",
-    "linear_compiled": "torch.compile nn.Linear",
-    "linear_ours": "fused-geglu linear",
-    "mlp_eager": "eager GeGLU MLP",
-    "mlp_compiled": "torch.compile GeGLU MLP",
-    "mlp_liger": "Liger GEGLU MLP",
-    "mlp_ours_fused_act": "layers.GeGLUMLP (16-bit GPU inference: dual GEMM; else projections + fused geglu)",
-    "mlp_ours_dual_gemm": "geglu_mlp (dual GEMM)",
-}
 # [tokens, intermediate] tensors that each MLP writes to memory and reads back: eager has
 # gate, up, gelu(gate) and the product; fusing the activation leaves gate, up and the
 # product; the dual GEMM only the product.
 ROUND_TRIPS = {"mlp_eager": 4, "mlp_ours_dual_gemm": 1}
 
 
-@dataclass
-class Stage:
-    name: str
-    fn: Callable[[torch.Tensor], torch.Tensor]
-    compiled: bool = False
-
-    @property
-    def family(self) -> str:
-        return self.name.split("_")[0]
-
-
-class GeGLUMLP(nn.Module):
-    """The eager MLP, as transformers' GemmaMLP computes it."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act_fn = nn.GELU(approximate="tanh")
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-def liger_mlp():
-    try:
-        from liger_kernel.transformers.geglu import LigerGEGLUMLP
-    except ImportError:
-        return None
-    return LigerGEGLUMLP
-
-
-def build_stages(names, ours, hidden, intermediate, dtype):
-    """The stages to run, and a note for each one skipped."""
-    with torch.device(DEVICE):
-        lin = nn.Linear(hidden, intermediate).to(dtype).requires_grad_(False)
-        mlp = GeGLUMLP(hidden, intermediate).to(dtype).requires_grad_(False)
-    fns = {
-        "linear_eager": lin,
-        "linear_compiled": torch.compile(lin),
-        "linear_ours": lambda x: ours.linear(x, lin.weight, lin.bias),
-        "mlp_eager": mlp,
-        "mlp_compiled": torch.compile(mlp),
-        "mlp_ours_fused_act": types.MethodType(ours.layers.GeGLUMLP.forward, mlp),
-        "mlp_ours_dual_gemm": lambda x: ours.geglu_mlp(
-            x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
-        ),
-    }
-    liger_cls, notes = liger_mlp(), []
-    if liger_cls is not None:
-        config = types.SimpleNamespace(
-            hidden_size=hidden,
-            intermediate_size=intermediate,
-            hidden_act="gelu_pytorch_tanh",
-        )
-        liger = liger_cls(config).to(DEVICE, dtype)
-        liger.gate_proj, liger.up_proj, liger.down_proj = (
-            mlp.gate_proj,
-            mlp.up_proj,
-            mlp.down_proj,
-        )
-        fns["mlp_liger"] = liger
-    elif "mlp_liger" in names:
-        notes.append("mlp_liger skipped: liger_kernel is not importable")
-    stages = [
-        Stage(n, fns[n], compiled=n.endswith("_compiled")) for n in names if n in fns
-    ]
-    return stages, notes
-
-
-def sync():
-    if HAS_GPU:
-        torch.cuda.synchronize()
-
-
-def wall_ms(fn) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return (time.perf_counter() - start) * 1e3
-
-
-def device_ms(fn, cudagraph: bool) -> tuple[float, str]:
-    """Median time per call and how it was measured."""
-    if not HAS_GPU:
-        return statistics.median(wall_ms(fn) for _ in range(3)), "CPU wall, median of 3"
-    from triton.testing import do_bench, do_bench_cudagraph
-
-    # Replaying a CUDA graph, neither host time nor launch gaps pose as GPU time.
-    if cudagraph:
-        ms = do_bench_cudagraph(fn, rep=100, return_mode="median")
-        return ms, "do_bench_cudagraph"
-    return do_bench(fn, warmup=25, rep=100, return_mode="median"), "do_bench"
-
-
-def host_us(fn, n: int = 50) -> float:
-    """Host time per call: the launch loop's wall time, the GPU drained before and after."""
-    sync()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    elapsed = time.perf_counter() - start
-    sync()
-    return elapsed / n * 1e6
-
-
-def outermost_op(event) -> bool:
-    """An aten or custom op that no other op called (CPU runs have no GPU kernels)."""
-    if "::" not in event.name:
-        return False
-    parent = event.cpu_parent
-    while parent is not None:
-        if "::" in parent.name:
-            return False
-        parent = parent.cpu_parent
-    return True
-
-
-def launched(fn, trace: Path | None) -> Counter:
-    """GPU kernels (on CPU: outermost ops) that one call runs, by name."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if HAS_GPU else [])
-    with profile(activities=activities) as prof:
-        fn()
-        sync()
-    if trace is not None:
-        prof.export_chrome_trace(str(trace))
-    if HAS_GPU:  # GPU events, less the GPU-side ranges of record_function annotations
-        return Counter(
-            e.name
-            for e in prof.events()
-            if e.device_type == DeviceType.CUDA and not e.is_user_annotation
-        )
-    return Counter(e.name for e in prof.events() if outermost_op(e))
-
-
-def traffic(stage: Stage, tokens: int, hidden: int, inter: int, itemsize: int):
+def traffic(stage: lib.Stage, tokens: int, hidden: int, inter: int, itemsize: int):
     """(bytes, FLOPs) of one call: inputs read once, outputs written once, plus the
     intermediates that round-trip through memory between kernels; GEMM FLOPs only."""
-    if stage.family == "linear":
+    if stage.op == "linear":
         elems = tokens * hidden + inter * hidden + inter + tokens * inter
         return elems * itemsize, 2 * tokens * hidden * inter
     trips = ROUND_TRIPS.get(stage.name, 3)
     elems = 2 * tokens * hidden + 3 * inter * hidden + 2 * trips * tokens * inter
     return elems * itemsize, 6 * tokens * hidden * inter
-
-
-def ceilings(dtype: torch.dtype) -> dict:
-    """Copy bandwidth and an 8192^3 matmul in the report's dtype, measured now."""
-    from triton.testing import do_bench
-
-    src = torch.zeros(1 << 30, dtype=torch.bfloat16, device=DEVICE)
-    dst = torch.empty_like(src)
-    copy_ms = do_bench(functools.partial(dst.copy_, src), return_mode="median")
-    a, b = (torch.randn(8192, 8192, dtype=dtype, device=DEVICE) for _ in range(2))
-    mm_ms = do_bench(functools.partial(torch.matmul, a, b), return_mode="median")
-    return {
-        "copy_TBps": 2 * (1 << 30) * 2 / copy_ms / 1e9,
-        "matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9,
-        "matmul_dtype": str(dtype).removeprefix("torch."),
-    }
 
 
 def compile_state() -> tuple[int, float]:
@@ -251,13 +71,11 @@ def run_stage(stage, args, dtype, ceil, progress) -> dict:
     rows = {}
     itemsize = torch.empty(0, dtype=dtype).element_size()
     for tokens in args.tokens:
-        x = torch.randn(tokens, args.hidden, dtype=dtype, device=DEVICE)
+        x = torch.randn(tokens, args.hidden, dtype=dtype, device=lib.DEVICE)
         call = functools.partial(stage.fn, x)
         frames0, seconds0 = compile_state()
-        row = {"tokens": tokens, "first_call_ms": wall_ms(call)}
-        row[TIME_KEY], row["timer"] = device_ms(call, not args.no_cudagraph)
-        if HAS_GPU:
-            row["host_us"] = host_us(call)
+        row = {"tokens": tokens, "first_call_ms": lib.timed(call)[1]}
+        row[TIME_KEY], row["timer"] = lib.device_ms(call, not args.no_cudagraph)
         row["bytes"], row["flops"] = traffic(
             stage, tokens, args.hidden, args.intermediate, itemsize
         )
@@ -276,7 +94,7 @@ def run_stage(stage, args, dtype, ceil, progress) -> dict:
         rows[str(tokens)] = row
         progress.update()
     result = {
-        "label": STAGES[stage.name],
+        "label": lib.STAGES[stage.name],
         "cold_start_ms": rows[str(args.tokens[0])]["first_call_ms"],
         "trace": f"trace_{stage.name}.json",
         "rows": rows,
@@ -291,16 +109,27 @@ def run_stage(stage, args, dtype, ceil, progress) -> dict:
     return result
 
 
+def host_times(stages, report: dict, args, dtype) -> None:
+    """Host µs per call into every row: per token count, the stages in interleaved rounds
+    (lib.host_us), so that the host's drift reaches them alike."""
+    for tokens in args.tokens:
+        x = torch.randn(tokens, args.hidden, dtype=dtype, device=lib.DEVICE)
+        timed = [s for s in stages if s.name in report["stages"]]
+        calls = {s.name: functools.partial(s.fn, x) for s in timed}
+        for name, us in lib.host_us(calls).items():
+            report["stages"][name]["rows"][str(tokens)]["host_us"] = us
+
+
 def list_kernels(stage, result: dict, args, dtype, out: Path, progress) -> None:
     """The kernels each row's call launches, by the profiler, into ``result``'s rows; the
     largest row's trace into ``out``. Run after all timing: once a profiler session has
     run, CUPTI stays attached and every later kernel pays for it (the eager MLP, six
     kernels, timed 3-5% slower than in a process that never profiled)."""
     for tokens in args.tokens:
-        x = torch.randn(tokens, args.hidden, dtype=dtype, device=DEVICE)
+        x = torch.randn(tokens, args.hidden, dtype=dtype, device=lib.DEVICE)
         last = tokens == args.tokens[-1]
         trace = out / f"trace_{stage.name}.json" if last else None
-        kernels = launched(functools.partial(stage.fn, x), trace)
+        kernels = lib.launched(functools.partial(stage.fn, x), trace)
         row = result["rows"][str(tokens)]
         row["kernels_per_call"] = sum(kernels.values())
         row["kernels"] = dict(kernels.most_common())
@@ -405,13 +234,6 @@ def charts(report: dict, out: Path, prefix: str = "") -> list[str]:
     return written
 
 
-def package_version(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -425,7 +247,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--tokens", type=int, nargs="+", default=DEFAULTS["tokens"])
     parser.add_argument(
-        "--stages", nargs="+", default=list(STAGES), choices=list(STAGES)
+        "--stages", nargs="+", default=list(lib.STAGES), choices=list(lib.STAGES)
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     parser.add_argument(
@@ -448,12 +270,7 @@ def main(argv=None) -> int:
         caches = tempfile.mkdtemp(prefix="fused-geglu-report-")
         os.environ["TRITON_CACHE_DIR"] = f"{caches}/triton"
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{caches}/inductor"
-    if not (ROOT / "build").is_dir():
-        print("build/ is missing: run `make build`", file=sys.stderr)
-        return 1
-    from kernels import get_local_kernel
-
-    ours = get_local_kernel(ROOT)
+    ours = lib.load_ours()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     notes = [
@@ -470,19 +287,18 @@ def main(argv=None) -> int:
         ),
     ]
     if HAS_GPU:
-        env_device = torch.cuda.get_device_name()
         notes.append(
             "GPU ms: median of CUDA-graph replays (triton.testing.do_bench_cudagraph; "
             "a call timed in a loop with do_bench measures its host time wherever that "
             "exceeds its GPU time: here up to 512 tokens), or do_bench with "
-            "--no-cudagraph. host µs: launch-loop wall time per call."
+            "--no-cudagraph. host µs: per token count, the stages in interleaved "
+            "rounds of 20-call loops (median of 15), the GPU drained before each loop."
         )
-        torch.ones(8, 8, device=DEVICE) @ torch.ones(8, 8, device=DEVICE)
-        sync()  # CUDA context and cuBLAS handle exist before the first stage
+        torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
+        lib.sync()  # CUDA context and cuBLAS handle exist before the first stage
     else:
         # OpenMP wake-ups otherwise dominate the tiny eager ops on a small shared machine.
         torch.set_num_threads(1)
-        env_device = f"CPU ({platform.machine()}), Triton interpreter"
         notes.append(
             "No GPU: the Triton kernels run in the Triton interpreter on the CPU. Times "
             "are CPU wall times, not GPU times, and say nothing about GPU speed; "
@@ -490,22 +306,13 @@ def main(argv=None) -> int:
             "fused C++ kernels are not listed); no ceilings, so no roofline fractions; "
             "one CPU thread."
         )
-    stages, skipped = build_stages(
+    stages, skipped = lib.stages(
         args.stages, ours, args.hidden, args.intermediate, dtype
     )
     notes += skipped
-    ceil = ceilings(dtype) if HAS_GPU else None
+    ceil = lib.ceilings(dtype) if HAS_GPU else None
     report = {
-        "env": {
-            "date": datetime.date.today().isoformat(),
-            "device": env_device,
-            "torch": torch.__version__,
-            "triton": package_version("triton"),
-            "kernels": package_version("kernels"),
-            "liger_kernel": package_version("liger-kernel"),
-            "python": platform.python_version(),
-            "kernel": ours._ops.ops.name,
-        },
+        "env": lib.environment(ours),
         "config": {
             "hidden": args.hidden,
             "intermediate": args.intermediate,
@@ -530,6 +337,8 @@ def main(argv=None) -> int:
                 )
             except Exception as error:  # noqa: BLE001 - report the others, then fail
                 failed.append(f"{stage.name}: {type(error).__name__}: {error}")
+        if HAS_GPU:
+            host_times(stages, report, args, dtype)
         for stage in stages:
             if stage.name not in report["stages"]:
                 continue
@@ -542,13 +351,26 @@ def main(argv=None) -> int:
                 del report["stages"][stage.name]
                 failed.append(f"{stage.name}: {type(error).__name__}: {error}")
     report["notes"] += [f"FAILED {f}" for f in failed]
-    md = markdown(report)
-    report["charts"] = charts(report, args.out)
-    (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "report.md").write_text(md)
-    print(md)
-    print(f"Wrote report.json, report.md, traces and charts to {args.out}")
+    write(report, args.out)
     return 1 if failed else 0
+
+
+def write(report: dict, out: Path) -> None:
+    """report.json and report.md, then the charts (matplotlib is optional: without it, a
+    note instead), then report.json again with their names."""
+    md = markdown(report)
+    report["charts"] = []
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "report.md").write_text(md)
+    print(md)
+    print(f"Wrote report.json, report.md and traces to {out}")
+    try:
+        report["charts"] = charts(report, out)
+    except ImportError as error:
+        print(f"No charts: {error} (pip install matplotlib)")
+        return
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"Wrote charts to {out}: {', '.join(report['charts'])}")
 
 
 if __name__ == "__main__":

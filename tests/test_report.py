@@ -1,26 +1,36 @@
-"""The benchmark scripts (`kernels benchmark .`), the profiling report (scripts/report.py)
-and the README results, which scripts/render_results.py must reproduce from the JSON."""
+"""The benchmark library (benchmarks/bench_lib.py) and the scripts built on it: the
+`kernels benchmark .` workloads, the profiling report (scripts/report.py), its check, the
+comparison and end-to-end benchmarks (their GPU-free parts), and the README results, which
+scripts/render_results.py must reproduce from the JSON."""
 
-import importlib.util
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
-from conftest import HAS_GPU, ROOT
+from conftest import HAS_GPU, ROOT, run_python
+
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "benchmarks")]
+import bench_lib as lib
+import check_report
+import compare
+import e2e
+import render_results as render
+import report
 
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("benchmark*.py"))
-STAGES = ["linear_compiled", "mlp_ours_dual_gemm"]
+STAGES = ["linear_compile", "mlp_ours_dual_gemm"]
 TOKENS = [1, 16]
-
-
-def load_script(name: str, folder: str = "scripts"):
-    """scripts/<name>.py (or <folder>/<name>.py) as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+GPU_SCRIPTS = {  # script: arguments that would make it run
+    "compare.py": ["--only", "host"],
+    "tune.py": ["--out", "tune.json"],
+    "launch_overhead.py": [],
+    "check_report.py": ["report.json"],
+    "distributed.py": [],
+    "e2e.py": ["--layers", "1", "--prefill-tokens", "8", "--new-tokens", "2"],
+}
 
 
 def test_benchmark_scripts_exist():
@@ -66,7 +76,7 @@ def report_dir(tmp_path_factory):
         check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "| linear_compiled | 16 |" in run.stdout  # the markdown table, printed
+    assert "| linear_compile | 16 |" in run.stdout  # the markdown table, printed
     return out
 
 
@@ -83,13 +93,13 @@ def test_report_files(report_dir):
 
 
 def test_report_json(report_dir):
-    report = json.loads((report_dir / "report.json").read_text())
-    assert {"env", "config", "ceilings", "notes", "stages", "charts"} <= set(report)
-    assert report["config"]["tokens"] == TOKENS
-    assert list(report["stages"]) == STAGES
-    time_key = report["config"]["time_key"]
+    result = json.loads((report_dir / "report.json").read_text())
+    assert {"env", "config", "ceilings", "notes", "stages", "charts"} <= set(result)
+    assert result["config"]["tokens"] == TOKENS
+    assert list(result["stages"]) == STAGES
+    time_key = result["config"]["time_key"]
     assert time_key == ("gpu_ms" if HAS_GPU else "cpu_ms")
-    for stage in report["stages"].values():
+    for stage in result["stages"].values():
         assert stage["cold_start_ms"] == stage["rows"]["1"]["first_call_ms"] > 0
         assert list(stage["rows"]) == ["1", "16"]
         for row in stage["rows"].values():
@@ -98,12 +108,12 @@ def test_report_json(report_dir):
             assert row["bytes"] > 0 and row["flops"] > 0
             if HAS_GPU:
                 assert row["host_us"] > 0 and 0 < row["frac_roofline"]
-    compiled = report["stages"]["linear_compiled"]
+    compiled = result["stages"]["linear_compile"]
     # Static shapes at 1 token, then one recompile with a dynamic token count.
     assert compiled["frames_compiled"] >= 1 and compiled["compile_s"] > 0
     assert compiled["recompiles"] == compiled["frames_compiled"] - 1
-    dual = report["stages"]["mlp_ours_dual_gemm"]["rows"]["16"]
-    ns = report["env"]["kernel"]
+    dual = result["stages"]["mlp_ours_dual_gemm"]["rows"]["16"]
+    ns = result["env"]["kernel"]
     if not HAS_GPU:  # the outermost ops: our two custom ops
         assert dual["kernels"] == {f"{ns}::geglu_linear": 1, f"{ns}::linear": 1}
     t, h, i = 16, 64, 160  # x, 3 weights, output, and the product's round trip
@@ -114,16 +124,15 @@ def test_report_json(report_dir):
 def test_report_times_before_profiling(tmp_path, monkeypatch):
     """Every row is timed before the profiler runs: a process that has profiled runs later
     kernels slower (benchmarks/NOTES.md, session 5)."""
-    report = load_script("report")
     calls = []
     for name, tag in (("device_ms", "time"), ("launched", "profile")):
-        original = getattr(report, name)
+        original = getattr(lib, name)
 
         def record(*args, _original=original, _tag=tag, **kwargs):
             calls.append(_tag)
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(report, name, record)
+        monkeypatch.setattr(lib, name, record)
     args = ["--hidden", "32", "--intermediate", "64", "--dtype", "float32"]
     args += ["--tokens", "1", "3", "--stages", "linear_eager", "mlp_eager"]
     assert report.main([*args, "--out", str(tmp_path)]) == 0
@@ -132,9 +141,8 @@ def test_report_times_before_profiling(tmp_path, monkeypatch):
 
 def test_report_renders(report_dir):
     """A report JSON, as if committed to benchmarks/results/, renders as a table."""
-    render = load_script("render_results")
-    report = json.loads((report_dir / "report.json").read_text())
-    lines = render.report_section(render.RESULTS / "date-device-report.json", report)
+    result = json.loads((report_dir / "report.json").read_text())
+    lines = render.report_section(render.RESULTS / "date-device-report.json", result)
     text = "\n".join(lines)
     assert all(f"| {s} | 16 |" in text for s in STAGES)
 
@@ -142,30 +150,29 @@ def test_report_renders(report_dir):
 def test_check_report_rows(report_dir, fused_geglu):
     """benchmarks/check_report.py re-times every row of a report (here with CPU wall
     times in place of the GPU timers) and compares each with the report's time."""
-    check_report = load_script("check_report", "benchmarks")
-    report = json.loads((report_dir / "report.json").read_text())
-    timed, wall_ms = [], load_script("report").wall_ms
+    result = json.loads((report_dir / "report.json").read_text())
+    timed = []
 
     def wall(fn, reported_ms):
         assert reported_ms > 0
         timed.append(fn)
-        return [wall_ms(fn) for _ in range(5)]
+        return [lib.timed(fn)[1] for _ in range(5)]
 
     timers = {
         row["timer"]: wall
-        for s in report["stages"].values()
+        for s in result["stages"].values()
         for row in s["rows"].values()
     }
-    rows = check_report.check(report, fused_geglu, timers)
+    rows = check_report.check(result, fused_geglu, timers)
     assert len(rows) == len(timed) == len(STAGES) * len(TOKENS)
     assert [(r["stage"], r["tokens"]) for r in rows] == [
         (s, t) for s in STAGES for t in TOKENS
     ]
     for r in rows:
-        time_key = report["config"]["time_key"]
+        time_key = result["config"]["time_key"]
         assert (
             r["report_ms"]
-            == report["stages"][r["stage"]]["rows"][str(r["tokens"])][time_key]
+            == result["stages"][r["stage"]]["rows"][str(r["tokens"])][time_key]
         )
         assert r["independent_q20_ms"] <= r["independent_ms"] <= r["independent_q80_ms"]
         assert r["ratio"] == pytest.approx(r["report_ms"] / r["independent_ms"])
@@ -173,7 +180,7 @@ def test_check_report_rows(report_dir, fused_geglu):
 
 def test_check_report_agreement():
     """Agreement is a ratio within max(5%, the independent timing's q20-q80 spread)."""
-    agreement = load_script("check_report", "benchmarks").agreement
+    agreement = check_report.agreement
     steady = [1.0] * 8 + [1.01, 0.99]
     assert agreement(1.04, steady)["agrees"] and not agreement(1.06, steady)["agrees"]
     noisy = [0.8, 0.9, 1.0, 1.0, 1.0, 1.0, 1.0, 1.1, 1.2, 1.3]
@@ -185,7 +192,6 @@ def test_check_report_agreement():
 def test_families_benchmark(fused_geglu, device):
     """compare.py's families section on small sizes (a smoke run: one call each instead
     of the GPU timers): every family's layer runs and matches its eager module."""
-    compare = load_script("compare", "benchmarks")
     calls = []
 
     def once(fn):
@@ -201,26 +207,179 @@ def test_families_benchmark(fused_geglu, device):
         assert row["speedup"] == 1.0 and row["max_abs_diff"] < 0.05, (name, row)
 
 
-def test_compare_interleaves_training_timings(monkeypatch):
-    """compare.py times the peers' training steps in interleaved rounds (the first peer
-    timed alone read up to 0.23 ms slow) and reports each one's median."""
-    compare = load_script("compare", "benchmarks")
+def test_interleaved_ms(monkeypatch):
+    """Peers are timed in interleaved rounds (the first peer timed alone read up to
+    0.23 ms slow) and each one's median is reported."""
     order, fake_ms = [], {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 6.0])}
 
     def bench(fn):
         order.append(fn())
         return next(fake_ms[order[-1]])
 
-    monkeypatch.setattr(compare, "bench", bench)
-    timed = compare.interleaved_ms({"a": lambda: "a", "b": lambda: "b"})
+    monkeypatch.setattr(lib, "bench_ms", bench)
+    timed = lib.interleaved_ms({"a": lambda: "a", "b": lambda: "b"})
     assert order == ["a", "b"] * 3
     assert timed == {"a": (2.0, [3.0, 1.0, 2.0]), "b": (5.0, [5.0, 4.0, 6.0])}
+
+
+def test_host_us_interleaves_short_loops():
+    """Host time: one warm-up call each, then per round an n-call loop of each function
+    in turn; the median per call."""
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "ab"}
+    us = lib.host_us(fns, n=2, rounds=3)
+    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    assert set(us) == {"a", "b"} and all(t > 0 for t in us.values())
+
+
+def fake_event(name, device_type, annotation=False, parent=None):
+    return types.SimpleNamespace(
+        name=name,
+        device_type=device_type,
+        is_user_annotation=annotation,
+        cpu_parent=parent,
+    )
+
+
+def test_kernel_counts_drop_annotations():
+    """GPU kernels only: no CPU events and no GPU-side ranges of record_function
+    annotations (counted as kernels once; benchmarks/NOTES.md, session 4)."""
+    from torch.autograd import DeviceType
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    outer = fake_event("fused::geglu_mlp", cpu)
+    events = [
+        outer,
+        fake_event("aten::mm", cpu, parent=outer),
+        fake_event("fused-geglu linear", cpu, annotation=True),
+        fake_event("fused-geglu linear", cuda, annotation=True),
+        fake_event("_gemm_kernel", cuda),
+        fake_event("_gemm_kernel", cuda),
+        fake_event("_geglu_fwd_kernel", cuda),
+    ]
+    counts = lib.kernel_counts(events, gpu=True)
+    assert counts == {"_gemm_kernel": 2, "_geglu_fwd_kernel": 1}
+    # Without a GPU: the outermost ops.
+    assert lib.kernel_counts(events, gpu=False) == {"fused::geglu_mlp": 1}
+
+
+def test_environment_record(fused_geglu):
+    env = lib.environment(fused_geglu)
+    assert json.loads(json.dumps(env)) == env
+    assert (
+        env["torch"] == torch.__version__ and env["kernel"] == fused_geglu._ops.ops.name
+    )
+    keys = {
+        "date",
+        "device",
+        "triton",
+        "transformers",
+        "kernels",
+        "liger_kernel",
+        "git",
+    }
+    assert keys <= set(env)
+    assert env["git"] is None or len(env["git"].removesuffix("-dirty")) >= 7
+    path = lib.results_path(env | {"device": "NVIDIA H200"}, "e2e")
+    assert (
+        path == ROOT / "benchmarks" / "results" / f"{env['date']}-NVIDIA_H200-e2e.json"
+    )
+
+
+def test_peer_names():
+    """One naming scheme: <op>_<peer>, the peers eager, compile, liger and ours."""
+    peers = {name.split("_", 1)[1] for name in lib.STAGES}
+    assert peers == {"eager", "compile", "liger", "ours", "ours_layer"} | {
+        "ours_dual_gemm",
+        "ours_fused_activation",
+    }
+    with pytest.raises(ValueError, match="unknown stages"):
+        lib.stages(["mlp_ours_fused_act"], None, 8, 16, torch.float32)
+
+
+def test_report_writes_before_charts(report_dir, tmp_path, monkeypatch, capsys):
+    """Without matplotlib the report still writes its JSON and markdown, with a note."""
+    result = json.loads((report_dir / "report.json").read_text())
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    report.write(result, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text())["charts"] == []
+    assert "| linear_compile | 16 |" in (tmp_path / "report.md").read_text()
+    assert "No charts" in capsys.readouterr().out
+
+
+def test_gpu_scripts_exit_clearly_without_cuda():
+    """With CUDA hidden, each GPU-only script says in one line that it needs a CUDA GPU
+    and exits with status 2 (one interpreter runs them all: torch imports once)."""
+    run = run_python(
+        f"""
+        import contextlib, io, json, runpy, sys
+        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+        exits = {{}}
+        for script, args in {GPU_SCRIPTS!r}.items():
+            sys.argv = [f"{ROOT}/benchmarks/{{script}}", *args]
+            stderr = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(stderr):
+                    runpy.run_path(sys.argv[0], run_name="__main__")
+            except SystemExit as error:
+                exits[script] = [error.code, stderr.getvalue().strip().splitlines()]
+        print(json.dumps(exits))
+        """,
+        CUDA_VISIBLE_DEVICES="",
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    exits = json.loads(run.stdout.strip().splitlines()[-1])
+    for script in GPU_SCRIPTS:
+        message = f"benchmarks/{script} needs a CUDA GPU (none is visible here)."
+        assert exits[script] == [2, [message]], script
+
+
+def test_e2e_arguments():
+    args = e2e.parse_args([])
+    assert (args.layers, args.prefill_tokens, args.new_tokens) == (18, 8192, 64)
+    args = e2e.parse_args(
+        ["--layers", "2", "--prefill-tokens", "64", "--new-tokens", "4"]
+    )
+    assert (args.layers, args.prefill_tokens, args.new_tokens) == (2, 64, 4)
+    with pytest.raises(SystemExit) as error:
+        e2e.parse_args(["--layers", "0"])
+    assert error.value.code == 2
+    a, b = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 2, 5, 4]])
+    assert e2e.first_difference(a, b) == 2 and e2e.first_difference(a, a) is None
+
+
+def test_compare_host_calls(fused_geglu, device, monkeypatch):
+    """compare.py's host section covers every public op and layer, and each call runs
+    (torch.compile left out: inductor's CPU compile is slow)."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    calls = compare.host_calls(fused_geglu, device, torch.float32, scale=16)
+    ops = {
+        "geglu forward",
+        "geglu forward+backward",
+        "gelu_and_mul",
+        "gelu_tanh_and_mul",
+    }
+    ops |= {"linear forward", "linear forward+backward", "geglu_linear", "geglu_mlp"}
+    layers = {"GeGLUMLP", "Linear", "T5GeGLUDense", "ModernBertGeGLUMLP", "GEGLU"}
+    assert set(calls) == ops | {f"layers.{name}" for name in layers}
+    for op, peers in calls.items():
+        assert {"eager", "compile", "ours"} <= set(peers), op
+        for call in peers.values():
+            call()
+
+
+def test_render_rounding():
+    assert [render.ms(v) for v in (3.12677, 0.2008, 0.0250164, 0.018946)] == [
+        "3.127",
+        "0.201",
+        "0.0250",
+        "0.0189",
+    ]
 
 
 def test_results_match_json():
     """README's summary and docs/results.md's tables are exactly what render_results.py
     makes of the JSON, each in its one block."""
-    render = load_script("render_results")
     assert set(render.TARGETS) == {ROOT / "README.md", ROOT / "docs" / "results.md"}
     assert render.stale() == [], "results differ from the JSON: run `make results`"
 
@@ -238,7 +397,6 @@ def test_results_check_command():
 
 def test_summary_numbers_come_from_json():
     """The README's summary quotes the families and MLP rows of the committed JSON."""
-    render = load_script("render_results")
     summary = render.render_summary()
     families = json.loads(render.newest("families").read_text())["families"]
     for name, row in families.items():
@@ -247,19 +405,8 @@ def test_summary_numbers_come_from_json():
 
 
 def test_one_block_per_file():
-    render = load_script("render_results")
     with pytest.raises(SystemExit, match="exactly one"):
         render.replace_section(f"{render.START}{render.END}" * 2, "x")
     assert render.replace_section(f"a{render.START}old{render.END}b", "new\n") == (
         f"a{render.START}\nnew\n{render.END}b"
     )
-
-
-def test_render_rounding():
-    render = load_script("render_results")
-    assert [render.ms(v) for v in (3.12677, 0.2008, 0.0250164, 0.018946)] == [
-        "3.127",
-        "0.201",
-        "0.0250",
-        "0.0189",
-    ]

@@ -1,0 +1,163 @@
+"""End to end: a Gemma-2B-shaped transformers GemmaForCausalLM (random weights from a config:
+18 layers, hidden 2048, intermediate 16384, vocab 256000, 8 heads of 256, 1 key/value head;
+bfloat16), eager against a copy kernelized with our GeGLUMLP (Mode.INFERENCE). After a
+warm-up on the same shapes, both are timed side by side in interleaved rounds (wall time,
+the GPU drained before and after each call; medians):
+- prefill: one forward of --prefill-tokens tokens (only the last token's logits), ms;
+- greedy generate() of --new-tokens tokens from a --prompt-tokens prompt with the default
+  cache, and with cache_implementation="static": ms per new token (the prompt's prefill
+  included).
+The warm-up's greedy tokens of the kernelized model are compared with eager's. Writes the
+environment and every row as JSON to benchmarks/results/<date>-<gpu>-e2e.json or --out.
+
+Usage: python benchmarks/e2e.py [--layers 18] [--prefill-tokens 8192] [--new-tokens 64]
+Needs a CUDA GPU: without one it says so and exits with status 2.
+"""
+
+import argparse
+import copy
+import json
+import logging
+import statistics
+import sys
+from pathlib import Path
+
+import bench_lib as lib  # first: it picks the interpreter without a GPU
+import torch
+
+GEMMA_2B = {
+    "vocab_size": 256000,
+    "hidden_size": 2048,
+    "intermediate_size": 16384,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=18, help="decoder layers")
+    parser.add_argument("--prefill-tokens", type=int, default=8192)
+    parser.add_argument("--prompt-tokens", type=int, default=16, help="for generate()")
+    parser.add_argument("--new-tokens", type=int, default=64, help="for generate()")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    sizes = ("layers", "prefill_tokens", "prompt_tokens", "new_tokens", "rounds")
+    for name in sizes:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def build_models(layers: int, max_tokens: int):
+    """(eager, kernelized): the same random weights; only the kernelized copy's GemmaMLP
+    layers run our GeGLUMLP forward."""
+    from kernels import (
+        LocalLayerRepository,
+        Mode,
+        kernelize,
+        replace_kernel_forward_from_hub,
+        use_kernel_mapping,
+    )
+    from transformers import GemmaConfig, GemmaForCausalLM
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    config = GemmaConfig(
+        **GEMMA_2B, num_hidden_layers=layers, max_position_embeddings=max_tokens
+    )
+    with torch.device("cuda"):
+        eager = GemmaForCausalLM(config).to(torch.bfloat16).eval()
+    replace_kernel_forward_from_hub(GemmaMLP, "GeGLUMLP")
+    repo = LocalLayerRepository(lib.ROOT, layer_name="GeGLUMLP")
+    # Unmapped layers (rotary embedding, GeluTanh) keep their forward; kernelize warns.
+    logging.getLogger("kernels").setLevel(logging.ERROR)
+    with use_kernel_mapping({"GeGLUMLP": {"cuda": repo}}, inherit_mapping=False):
+        ours = kernelize(copy.deepcopy(eager), mode=Mode.INFERENCE, device="cuda")
+    mlps = [m for m in ours.modules() if isinstance(m, GemmaMLP)]
+    swapped = sum(m.forward.__func__.__qualname__ == "GeGLUMLP.forward" for m in mlps)
+    if not 0 < swapped == len(mlps):
+        raise RuntimeError(
+            f"kernelize swapped {swapped} of {len(mlps)} GemmaMLP layers"
+        )
+    return eager, ours
+
+
+def tasks(model, args, prefill_ids, prompt_ids) -> dict:
+    """{task: call} for one model; generate's calls return the generated tokens."""
+
+    def generate(**kwargs):
+        return model.generate(
+            prompt_ids,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,  # random weights may emit EOS early
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+
+    return {
+        "prefill": lambda: model(prefill_ids, logits_to_keep=1),
+        "generate": generate,
+        "generate_static_cache": lambda: generate(cache_implementation="static"),
+    }
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    """The first position where two token sequences differ, or None."""
+    diff = (a != b).nonzero()
+    return None if diff.numel() == 0 else int(diff[0, -1])
+
+
+def run(args) -> dict:
+    torch.manual_seed(0)
+    ours_kernel = lib.load_ours()
+    env = lib.environment(ours_kernel)
+    max_tokens = max(args.prefill_tokens, args.prompt_tokens + args.new_tokens)
+    eager, ours = build_models(args.layers, max_tokens)
+    vocab = GEMMA_2B["vocab_size"]
+    prefill_ids = torch.randint(0, vocab, (1, args.prefill_tokens), device="cuda")
+    prompt_ids = torch.randint(0, vocab, (1, args.prompt_tokens), device="cuda")
+    calls = {}
+    for name, model in (("eager", eager), ("ours", ours)):
+        for task, call in tasks(model, args, prefill_ids, prompt_ids).items():
+            calls[f"{task}/{name}"] = call
+    with torch.inference_mode():
+        warm = {key: call() for key, call in calls.items()}  # compiles; greedy tokens
+        times = lib.interleaved(calls, lambda call: lib.timed(call)[1], args.rounds)
+    rows = []
+    for task in ("prefill", "generate", "generate_static_cache"):
+        per = 1 if task == "prefill" else args.new_tokens
+        row = {"task": task, "unit": "ms" if per == 1 else "ms per new token"}
+        for name in ("eager", "ours"):
+            rounds = [t / per for t in times[f"{task}/{name}"]]
+            row |= {f"{name}_ms": statistics.median(rounds), f"{name}_rounds": rounds}
+        row["speedup"] = row["eager_ms"] / row["ours_ms"]
+        if task != "prefill":
+            eager_tokens, our_tokens = warm[f"{task}/eager"], warm[f"{task}/ours"]
+            row["tokens_equal_eager"] = bool(torch.equal(eager_tokens, our_tokens))
+            row["first_difference"] = first_difference(eager_tokens, our_tokens)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    config = GEMMA_2B | {"num_hidden_layers": args.layers, "dtype": "bfloat16"}
+    run_args = {k: v for k, v in vars(args).items() if k != "out"}
+    return {"env": env, "model": config, "args": run_args, "rows": rows}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    lib.require_cuda("benchmarks/e2e.py")
+    result = run(args)
+    out = args.out or lib.results_path(result["env"], "e2e")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"Wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,17 +2,19 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import HAS_GPU
-from reference import INTERPRETED_BF16_SLACK, assert_close_to_ref, geglu_ref, poisoned
+from reference import (
+    assert_close_to_ref,
+    cast,
+    check_against_float64,
+    eager_geglu,
+    fwd_bwd,
+    geglu_ref,
+    poisoned,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 APPROX = ["tanh", "none"]
 SHAPES = [(1, 1), (7, 13), (3, 5, 129), (9, 41, 4231), (2, 1, 1, 1000)]
-
-
-def slack(dtype):
-    return INTERPRETED_BF16_SLACK if dtype == torch.bfloat16 and not HAS_GPU else 1.0
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -23,33 +25,23 @@ def test_geglu_forward(fused_geglu, device, shape, dtype, approximate):
     up = torch.randn(shape, dtype=dtype, device=device)
     out = fused_geglu.geglu(gate, up, approximate)
     assert out.shape == gate.shape and out.dtype == dtype
-    eager = F.gelu(gate, approximate=approximate) * up
-    assert_close_to_ref(
-        out, geglu_ref(gate, up, approximate), eager, slack=slack(dtype)
-    )
+    eager = eager_geglu(gate, up, approximate)
+    assert_close_to_ref(out, geglu_ref(gate, up, approximate), eager)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("approximate", APPROX)
 def test_geglu_backward(fused_geglu, device, dtype, approximate):
     shape = (5, 3, 1031)
-    gate = (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_()
-    up = torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+    gate = (torch.randn(shape, device=device) * 3).to(dtype)
+    up = torch.randn(shape, dtype=dtype, device=device)
     dout = torch.randn(shape, dtype=dtype, device=device)
-    fused_geglu.geglu(gate, up, approximate).backward(dout)
-
-    g64, u64 = (
-        gate.detach().double().requires_grad_(),
-        up.detach().double().requires_grad_(),
+    check_against_float64(
+        lambda g, u: fused_geglu.geglu(g, u, approximate),
+        lambda g, u: eager_geglu(g, u, approximate),
+        [gate, up],
+        dout,
     )
-    geglu_ref(g64, u64, approximate).backward(dout.double())
-    ge, ue = (
-        gate.detach().clone().requires_grad_(),
-        up.detach().clone().requires_grad_(),
-    )
-    (F.gelu(ge, approximate=approximate) * ue).backward(dout)
-    assert_close_to_ref(gate.grad, g64.grad, ge.grad, slack=slack(dtype))
-    assert_close_to_ref(up.grad, u64.grad, ue.grad, slack=slack(dtype))
 
 
 def test_strided_and_expanded_inputs(fused_geglu, device):
@@ -62,7 +54,7 @@ def test_strided_and_expanded_inputs(fused_geglu, device):
         for approximate in APPROX:
             out = fused_geglu.geglu(gate, up, approximate)
             ref = geglu_ref(gate, up, approximate)
-            assert_close_to_ref(out, ref, F.gelu(gate, approximate=approximate) * up)
+            assert_close_to_ref(out, ref, eager_geglu(gate, up, approximate))
 
 
 def test_strided_backward(fused_geglu, device):
@@ -72,15 +64,10 @@ def test_strided_backward(fused_geglu, device):
     up = up_base[:, 1]
     dout = torch.randn(257, 33, device=device).t()  # non-contiguous incoming gradient
     fused_geglu.geglu(gate, up, "tanh").backward(dout)
-    g64, u64 = (
-        gate.detach().double().requires_grad_(),
-        up.detach().double().requires_grad_(),
-    )
-    geglu_ref(g64, u64, "tanh").backward(dout.double())
-    torch.testing.assert_close(gate.grad.double(), g64.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(
-        up_base.grad[:, 1].double(), u64.grad, rtol=1e-5, atol=1e-5
-    )
+    _, *ref = fwd_bwd(eager_geglu, cast([gate, up], torch.float64), dout)
+    _, *eager = fwd_bwd(eager_geglu, [gate, up], dout)
+    assert_close_to_ref(gate.grad, ref[0], eager[0])
+    assert_close_to_ref(up_base.grad[:, 1], ref[1], eager[1])
     assert (up_base.grad[:, 0] == 0).all()
 
 
@@ -105,10 +92,8 @@ def test_gelu_and_mul(fused_geglu, device, dtype, fn, approximate):
     result = getattr(fused_geglu, fn)(out, x)
     assert result is out
     gate, up = x[..., :521], x[..., 521:]
-    eager = F.gelu(gate, approximate=approximate) * up
-    assert_close_to_ref(
-        out, geglu_ref(gate, up, approximate), eager, slack=slack(dtype)
-    )
+    eager = eager_geglu(gate, up, approximate)
+    assert_close_to_ref(out, geglu_ref(gate, up, approximate), eager)
 
 
 def test_gelu_and_mul_into_strided_out(fused_geglu, device):
@@ -116,9 +101,8 @@ def test_gelu_and_mul_into_strided_out(fused_geglu, device):
     big = poisoned((6, 150), torch.float32, device)
     out = big[:, 25:125]
     fused_geglu.gelu_and_mul(out, x)
-    torch.testing.assert_close(
-        out.double(), geglu_ref(x[:, :100], x[:, 100:], "none"), rtol=1e-5, atol=1e-6
-    )
+    gate, up = x[:, :100], x[:, 100:]
+    assert_close_to_ref(out, geglu_ref(gate, up, "none"), eager_geglu(gate, up, "none"))
     assert big[:, :25].isnan().all() and big[:, 125:].isnan().all(), (
         "wrote outside the view"
     )
@@ -127,11 +111,9 @@ def test_gelu_and_mul_into_strided_out(fused_geglu, device):
     ]  # no single row stride
     x3 = torch.randn(6, 2, 200, device=device)
     fused_geglu.gelu_tanh_and_mul(permuted, x3)
-    torch.testing.assert_close(
-        permuted.double(),
-        geglu_ref(x3[..., :100], x3[..., 100:], "tanh"),
-        rtol=1e-5,
-        atol=1e-6,
+    gate, up = x3[..., :100], x3[..., 100:]
+    assert_close_to_ref(
+        permuted, geglu_ref(gate, up, "tanh"), eager_geglu(gate, up, "tanh")
     )
 
 

@@ -1,12 +1,25 @@
 """The bias/activation-epilogue linear against float64 autograd. bf16 GEMMs only on the
 GPU: the interpreter multiplies raw bits for bf16 tl.dot."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import HAS_GPU
 from launches import spy_launches
-from reference import assert_close_to_ref, geglu_ref, poisoned
+from reference import (
+    assert_all_close,
+    assert_close_to_ref,
+    bias_grad_floor,
+    cast,
+    check_against_float64,
+    eager_geglu,
+    eager_linear,
+    fwd_bwd,
+    geglu_ref,
+    poisoned,
+)
 
 # bf16 on the CPU: test_bf16_interpreted (the interpreter truncates to bf16: its error
 # is not eager's at the shapes here)
@@ -14,24 +27,6 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_GPU else [])
 ACTS = [None, "gelu", "gelu_tanh"]
 # (M, N, K); (130, 136, 72) has the 16-byte-aligned rows that the TMA kernel needs.
 SHAPES = [(1, 7, 129), (7, 129, 1), (129, 33, 4231), (70, 300, 64), (130, 136, 72)]
-
-
-def torch_linear(x, w, b, activation):
-    y = F.linear(x, w, b)
-    if activation is not None:
-        y = F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
-    return y
-
-
-def leaves(*tensors):
-    return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
-
-
-def run_and_grads(fn, x, w, b, dy):
-    x, w, b = leaves(x, w, b)
-    y = fn(x, w, b)
-    y.backward(dy)
-    return y.detach(), [None if t is None else t.grad for t in (x, w, b)]
 
 
 @pytest.mark.parametrize("mnk", SHAPES, ids=str)
@@ -44,21 +39,13 @@ def test_linear_forward_backward(fused_geglu, device, mnk, dtype, bias, activati
     w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
     b = torch.randn(n, dtype=dtype, device=device) if bias else None
     dy = torch.randn(m, n, dtype=dtype, device=device)
-    ours, ours_g = run_and_grads(
-        lambda *a: fused_geglu.linear(*a, activation), x, w, b, dy
+    check_against_float64(
+        partial(fused_geglu.linear, activation=activation),
+        partial(eager_linear, activation=activation),
+        [x, w, b],
+        dy,
+        floors=[0.0, 0.0, 0.0, bias_grad_floor(x, w, b, dy, activation)],
     )
-    ref, ref_g = run_and_grads(
-        lambda *a: torch_linear(*a, activation),
-        x.double(),
-        w.double(),
-        None if b is None else b.double(),
-        dy.double(),
-    )
-    eager, eager_g = run_and_grads(lambda *a: torch_linear(*a, activation), x, w, b, dy)
-    assert_close_to_ref(ours, ref, eager)
-    for o, r, e in zip(ours_g, ref_g, eager_g):
-        if o is not None:
-            assert_close_to_ref(o, r, e)
 
 
 @pytest.mark.parametrize("aligned", [True, False])
@@ -74,17 +61,13 @@ def test_tma_and_portable_paths(fused_geglu, device, monkeypatch, aligned):
     dy = torch.randn(130, 136, dtype=dtype, device=device)
     y = fused_geglu.linear(x, w, b, "gelu")
     grads = torch.autograd.grad(y, (x, w, b), dy)
-    ref, ref_g = run_and_grads(
-        lambda *a: torch_linear(*a, "gelu"),
-        x.double(),
-        w.double(),
-        b.double(),
-        dy.double(),
+    gelu = partial(eager_linear, activation="gelu")
+    assert_all_close(
+        [y, *grads],
+        fwd_bwd(gelu, cast([x, w, b], torch.float64), dy),
+        fwd_bwd(gelu, [x, w, b], dy),
+        floors=[0.0, 0.0, 0.0, bias_grad_floor(x, w, b, dy, "gelu")],
     )
-    eager, eager_g = run_and_grads(lambda *a: torch_linear(*a, "gelu"), x, w, b, dy)
-    assert_close_to_ref(y, ref, eager)
-    for o, r, e in zip(grads, ref_g, eager_g):
-        assert_close_to_ref(o, r, e)
     # Where TMA runs, by an independent table: Hopper/Blackwell GPUs and the interpreter.
     tma = aligned and (not HAS_GPU or torch.cuda.get_device_capability()[0] in (9, 10))
     # forward, dX, dW (+ db); with a misaligned x, dX (dY @ W) may still take TMA.
@@ -110,17 +93,13 @@ def test_benchmarked_shapes_bf16(fused_geglu, mnk):
     w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
     b = torch.randn(n, dtype=torch.bfloat16, device="cuda")
     dy = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
-    ours, ours_g = run_and_grads(
-        lambda *a: fused_geglu.linear(*a, "gelu_tanh"), x, w, b, dy
+    check_against_float64(
+        partial(fused_geglu.linear, activation="gelu_tanh"),
+        partial(eager_linear, activation="gelu_tanh"),
+        [x, w, b],
+        dy,
+        floors=[0.0, 0.0, 0.0, bias_grad_floor(x, w, b, dy, "gelu_tanh")],
     )
-    args64 = (t.double() for t in (x, w, b, dy))
-    ref, ref_g = run_and_grads(lambda *a: torch_linear(*a, "gelu_tanh"), *args64)
-    eager, eager_g = run_and_grads(
-        lambda *a: torch_linear(*a, "gelu_tanh"), x, w, b, dy
-    )
-    assert_close_to_ref(ours, ref, eager)
-    for o, r, e in zip(ours_g, ref_g, eager_g):
-        assert_close_to_ref(o, r, e)
 
 
 def test_3d_and_strided_inputs(fused_geglu, device):
@@ -131,8 +110,8 @@ def test_3d_and_strided_inputs(fused_geglu, device):
     b = torch.randn(48, device=device)
     y = fused_geglu.linear(x, w, b, "gelu")
     assert y.shape == (3, 5, 48)
-    ref = F.gelu(F.linear(x.double(), w.double(), b.double()))
-    assert_close_to_ref(y, ref, F.gelu(F.linear(x, w, b)))
+    ref = eager_linear(*cast([x, w, b], torch.float64), "gelu")
+    assert_close_to_ref(y, ref, eager_linear(x, w, b, "gelu"))
 
 
 def test_layer_kernelizes_nn_linear(fused_geglu, device):
@@ -176,7 +155,18 @@ def test_opcheck_and_compile(fused_geglu, device):
     torch.testing.assert_close(
         compiled(x, w, b), fused_geglu.linear(x, w, b, "gelu_tanh")
     )
-    compiled(x, w, b).sum().backward()
+    # The compiled backward's gradients against float64, as closely as eager's.
+    eager, dy = (
+        partial(eager_linear, activation="gelu_tanh"),
+        torch.randn(5, 17, device=device),
+    )
+    assert_all_close(
+        fwd_bwd(compiled, [x, w, b], dy),
+        fwd_bwd(eager, cast([x, w, b], torch.float64), dy),
+        fwd_bwd(eager, [x, w, b], dy),
+        floors=[0.0, 0.0, 0.0, bias_grad_floor(x, w, b, dy, "gelu_tanh")],
+        what="compiled linear (y, dx, dw, db)",
+    )
 
 
 @pytest.mark.gpu
@@ -201,8 +191,7 @@ def test_direct_launch(fused_geglu, device, monkeypatch, tokens):
     def check(x):
         h = poisoned((x.shape[0], inter), dtype, device)
         gemm.gemm_gated(x, w_gate, w_up, h, gemm.GELU_TANH)
-        gate, up = F.linear(x, w_gate), F.linear(x, w_up)
-        eager = F.gelu(gate, approximate="tanh") * up
+        eager = eager_geglu(F.linear(x, w_gate), F.linear(x, w_up), "tanh")
         ref = geglu_ref(
             x.double() @ w_gate.double().T, x.double() @ w_up.double().T, "tanh"
         )
@@ -266,7 +255,7 @@ def test_split_k(fused_geglu, device, mnk, dtype, variant):
             F.linear(a.double(), b2.double(), bias2.double()),
             "tanh",
         )
-        eager = F.gelu(gate, approximate="tanh") * up
+        eager = eager_geglu(gate, up, "tanh")
         if variant == "dual_preact":
             pre = [poisoned((m, n), dtype, device) for _ in range(2)]
         launch = lambda c: gemm.gemm_gated(

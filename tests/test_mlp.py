@@ -1,22 +1,25 @@
 """The GeGLU dual GEMM and the two-kernel MLP against float64 autograd."""
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import HAS_GPU
 from launches import spy_launches
-from reference import assert_close_to_ref
+from reference import (
+    assert_all_close,
+    assert_close_to_ref,
+    cast,
+    check_against_float64,
+    eager_geglu_mlp,
+    fwd_bwd,
+)
 
 # bf16 on the CPU: test_bf16_interpreted (the interpreter truncates to bf16: its error
 # is not eager's at the shapes here)
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_GPU else [])
-
-
-def mlp_ref(x, wg, wu, wd, bg, bu, bd, approximate):
-    h = F.gelu(F.linear(x, wg, bg), approximate=approximate) * F.linear(x, wu, bu)
-    return F.linear(h, wd, bd)
 
 
 def params(h, i, dtype, device, bias):
@@ -31,15 +34,6 @@ def params(h, i, dtype, device, bias):
     return [wg, wu, wd, *bs]
 
 
-def with_grads(fn, tensors, dy):
-    leaves = [
-        None if t is None else t.detach().clone().requires_grad_() for t in tensors
-    ]
-    out = fn(*leaves)
-    out.backward(dy)
-    return out.detach(), [None if t is None else t.grad for t in leaves]
-
-
 @pytest.mark.parametrize("tokens", [1, 7, 130])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [False, True])
@@ -50,21 +44,12 @@ def test_geglu_mlp(fused_geglu, device, tokens, dtype, bias, approximate):
     ps = params(hidden, inter, dtype, device, bias)
     dy = torch.randn(2, tokens, hidden, dtype=dtype, device=device)
 
-    def ours(x, *p):
-        return fused_geglu.geglu_mlp(x, *p, approximate=approximate)
-
-    def ref(x, *p):
-        return mlp_ref(x, *p, approximate)
-
-    out, grads = with_grads(ours, [x, *ps], dy)
-    out64, grads64 = with_grads(
-        ref, [t if t is None else t.double() for t in [x, *ps]], dy.double()
+    check_against_float64(
+        partial(fused_geglu.geglu_mlp, approximate=approximate),
+        partial(eager_geglu_mlp, approximate=approximate),
+        [x, *ps],
+        dy,
     )
-    eager, grads_e = with_grads(ref, [x, *ps], dy)
-    assert_close_to_ref(out, out64, eager)
-    for o, r, e in zip(grads, grads64, grads_e):
-        if o is not None:
-            assert_close_to_ref(o, r, e)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -135,7 +120,14 @@ def test_opcheck_and_compile(fused_geglu, device):
     wd = torch.randn(24, 40, device=device, requires_grad=True)
     fn = torch.compile(fused_geglu.geglu_mlp, fullgraph=True)
     torch.testing.assert_close(fn(x, wg, wu, wd), fused_geglu.geglu_mlp(x, wg, wu, wd))
-    fn(x, wg, wu, wd).sum().backward()
+    # The compiled backward's gradients against float64, as closely as eager's.
+    inputs, dy = [x, wg, wu, wd, bg, bu], torch.randn(3, 5, 24, device=device)
+    assert_all_close(
+        fwd_bwd(fn, inputs, dy),
+        fwd_bwd(eager_geglu_mlp, cast(inputs, torch.float64), dy),
+        fwd_bwd(eager_geglu_mlp, inputs, dy),
+        what="compiled geglu_mlp (out, dx, dwg, dwu, dwd, dbg, dbu)",
+    )
 
 
 @pytest.mark.parametrize("tokens", [70, 200])

@@ -126,6 +126,11 @@ def run(args) -> dict:
     for name, model in (("eager", eager), ("ours", ours)):
         for task, call in tasks(model, args, prefill_ids, prompt_ids).items():
             calls[f"{task}/{name}"] = call
+    # The static cache compiles the step; both models share its code objects, and each
+    # decoder layer's index is a guard: room for every recompile, else Dynamo falls back to
+    # eager after 8 and the static-cache rows time that.
+    torch._dynamo.config.recompile_limit = 8 * args.layers
+    torch._dynamo.config.accumulated_recompile_limit = 64 * args.layers
     with torch.inference_mode():
         warm = {key: call() for key, call in calls.items()}  # compiles; greedy tokens
         times = lib.interleaved(calls, lambda call: lib.timed(call)[1], args.rounds)

@@ -1,4 +1,4 @@
-"""Host time of one GEMM launch, by part: our wrappers (``geglu_linear``, ``gemm``),
+"""Host time of one GEMM launch, by part: our wrappers (``geglu_linear``, ``gemm_gated``),
 Triton's ``JITFunction.run`` (``kernel[grid](...)``) and its pieces (the argument binder,
 the cache key), and the compiled kernel's launcher called directly (``ck.run``), for the
 portable kernel at 1 token and the TMA kernel at 2048 tokens (GPU only; prints µs per
@@ -18,10 +18,10 @@ from triton.runtime.jit import compute_cache_key
 def main():
     lib.require_cuda("benchmarks/launch_overhead.py")
     ours = lib.load_ours()
-    g = ours.gemm
+    g, kernels = ours.gemm, ours.gemm_kernels
     recorded = {}  # kernel name -> (args, kwargs, compiled kernel) of its last launch
-    for name in ("_gemm_kernel", "_gemm_tma_kernel"):
-        kernel = getattr(g, name)
+    for name in ("gemm_kernel", "gemm_tma_kernel"):
+        kernel = getattr(kernels, name)
 
         def record(*a, _run=kernel.run, _name=name, **kw):
             compiled = _run(*a, **kw)
@@ -34,14 +34,15 @@ def main():
         wg = torch.randn(inter, hidden, device="cuda", dtype=torch.bfloat16)
         wu = torch.randn(inter, hidden, device="cuda", dtype=torch.bfloat16)
         recorded.clear()
+        g._PLANS.clear()  # each launch through JITFunction.run is recorded
         with torch.no_grad():
             for _ in range(3):
                 ours.geglu_linear(x, wg, wu)
             kname = (
-                "_gemm_tma_kernel" if "_gemm_tma_kernel" in recorded else "_gemm_kernel"
+                "gemm_tma_kernel" if "gemm_tma_kernel" in recorded else "gemm_kernel"
             )
             a, kw, ck = recorded[kname]
-            k = getattr(g, kname)
+            k = getattr(kernels, kname)
             del k.run  # back to JITFunction.run
             grid = kw.pop("grid")
             kw.pop("warmup")
@@ -74,12 +75,12 @@ def main():
                     None,
                     *args_all,
                 ),
-                "gemm() wrapper": lambda: g.gemm(  # with its output's allocation
+                "gemm_gated() wrapper": lambda: g.gemm_gated(  # with its output
                     x,
                     wg,
+                    wu,
                     torch.empty(tokens, inter, device="cuda", dtype=wg.dtype),
-                    b2=wu,
-                    activation="gelu_tanh",
+                    g.GELU_TANH,
                 ),
             }
             print(f"tokens {tokens} {kname} ({len(a)} positional, {len(kw)} kw):")

@@ -1,6 +1,6 @@
 """Sweep the launch-configuration tables' candidates on this GPU (bf16) and write the times
-as JSON: the evidence behind the choices in activation.py (FLAT_BLOCK/FLAT_WARPS,
-_elementwise_config) and gemm._gemm_config. cuBLAS is timed in the same run.
+as JSON: the evidence behind the choices in elementwise.py (FLAT_BLOCK/FLAT_WARPS,
+row_tile_config) and gemm.gemm_config. cuBLAS is timed in the same run.
 Usage: python benchmarks/tune.py --out tune.json"""
 
 import argparse
@@ -12,12 +12,11 @@ import torch
 import torch.nn.functional as F
 import triton
 
-KEYS = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"]
-
 
 def elementwise(act):
     """Contiguous operands (one long row: FLAT_BLOCK, FLAT_WARPS) and strided ones (the
-    halves of one [M, 2N] tensor, row tiles: _elementwise_config), 8192 x 16384."""
+    halves of one [M, 2N] tensor, row tiles: row_tile_config), 8192 x 16384. Launch plans
+    are cached: each candidate starts from an empty plan cache."""
     dt = torch.bfloat16
     g, u, dy = (torch.randn(8192, 16384, dtype=dt, device="cuda") for _ in range(3))
     x = torch.randn(8192, 2 * 16384, dtype=dt, device="cuda")
@@ -26,21 +25,24 @@ def elementwise(act):
     default = act.FLAT_BLOCK, act.FLAT_WARPS
     for cfg in [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]:
         act.FLAT_BLOCK, act.FLAT_WARPS = cfg
+        act._PLANS.clear()
         result[f"flat{cfg}"] = {
-            "fwd_ms": lib.bench_ms(lambda: act.geglu_fwd(g, u, out, "tanh")),
-            "bwd_ms": lib.bench_ms(lambda: act.geglu_bwd(dy, g, u, "tanh")),
+            "fwd_ms": lib.bench_ms(lambda: act.geglu_forward(g, u, out, "tanh")),
+            "bwd_ms": lib.bench_ms(lambda: act.geglu_backward(dy, g, u, "tanh")),
         }
         print("flat", cfg, result[f"flat{cfg}"], flush=True)
     act.FLAT_BLOCK, act.FLAT_WARPS = default
-    default = act._elementwise_config
+    default = act.row_tile_config
     for cfg in [(4, 1024, 4), (2, 2048, 4), (4, 2048, 8), (1, 4096, 8)]:
-        act._elementwise_config = lambda n, e, cfg=cfg: cfg
+        act.row_tile_config = lambda n, e, cfg=cfg: cfg
+        act._PLANS.clear()
         ms = lib.bench_ms(
-            lambda: act.geglu_fwd(x[:, :16384], x[:, 16384:], out, "tanh")
+            lambda: act.geglu_forward(x[:, :16384], x[:, 16384:], out, "tanh")
         )
         result[f"rows{cfg}"] = {"fwd_ms": ms}
         print("rows", cfg, ms, flush=True)
-    act._elementwise_config = default
+    act.row_tile_config = default
+    act._PLANS.clear()
     return result
 
 
@@ -49,7 +51,7 @@ def gemms(ours):
     tiles at decode sizes (CUDA-graph timing)."""
     dt = torch.bfloat16
     gm = ours.gemm
-    default = gm._gemm_config
+    default = gm.gemm_config
     single = [(128, 256, 64, 8, 8, 3), (256, 128, 64, 8, 8, 3), (128, 256, 64, 16, 8, 3),
               (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 4)]  # fmt: skip
     dual = [(128, 128, 64, 16, 8, 3), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4),
@@ -61,13 +63,15 @@ def gemms(ours):
     def sweep(key, fn, cands, graph=False):
         result[key] = {}
         for cfg in cands:
-            gm._gemm_config = lambda *a, cfg=cfg: dict(zip(KEYS, cfg))
+            gm.gemm_config = lambda *a, cfg=cfg: gm.GemmConfig(*cfg)
+            gm._PLANS.clear()
             try:
                 result[key][str(cfg)] = lib.bench_ms(fn, graph)
             except triton.runtime.errors.OutOfResources as e:  # shared memory
                 result[key][str(cfg)] = repr(e)[:100]
             print(key, cfg, result[key][str(cfg)], flush=True)
-        gm._gemm_config = default
+        gm.gemm_config = default
+        gm._PLANS.clear()
 
     for m, n, k in ((8192, 16384, 2048), (8192, 2048, 16384), (4096, 4096, 4096), (8192, 4096, 4096)):  # fmt: skip
         x = torch.randn(m, k, dtype=dt, device="cuda")
@@ -106,7 +110,7 @@ def main():
     ours = lib.load_ours()
     result = {
         "env": lib.environment(ours),
-        "elementwise": elementwise(ours.activation),
+        "elementwise": elementwise(ours.elementwise),
         "gemm": gemms(ours),
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")

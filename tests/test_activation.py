@@ -119,7 +119,7 @@ def test_gelu_and_mul_into_strided_out(fused_geglu, device):
 
 def test_new_token_count_does_not_recompile(fused_geglu, device):
     """The token count is a runtime argument: no new JIT specialisation when it changes."""
-    kernel = fused_geglu.activation._geglu_fwd_kernel
+    kernel = fused_geglu.activation.geglu_fwd_kernel
     if not hasattr(kernel, "device_caches"):
         pytest.skip("the interpreter keeps no compilation cache")
     fused_geglu.geglu(

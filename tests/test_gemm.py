@@ -181,7 +181,7 @@ def test_direct_launch(fused_geglu, device, monkeypatch, tokens):
     for kernel in (kernels.gemm_kernel, kernels.gemm_tma_kernel):
         spy = lambda *a, _run=kernel.run, **k: runs.append(1) or _run(*a, **k)
         monkeypatch.setattr(kernel, "run", spy)
-    monkeypatch.setattr(gemm, "_PLANS", fused_geglu.launch.LRU(1024))
+    monkeypatch.setattr(gemm, "_PLANS", fused_geglu.launch.BoundedCache(1024))
     hidden, inter, dtype = 256, 384, torch.bfloat16
     w_gate, w_up = (
         torch.randn(inter, hidden, dtype=dtype, device=device) / hidden**0.5

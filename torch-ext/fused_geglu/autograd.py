@@ -41,10 +41,9 @@ def geglu_linear_formula(x, w_gate, w_up, b_gate, b_up, approximate):
 
 
 def transforms_active() -> bool:
-    """Whether a torch.func transform or a forward-mode AD level is active (Dynamo does
-    not trace the query; torch.compile over torch.func is left to the kernels)."""
-    if torch.compiler.is_compiling():
-        return False
+    """Whether a torch.func transform or a forward-mode AD level is active (asked outside
+    torch.compile only: Dynamo does not trace the query, and torch.compile over torch.func
+    is left to the kernels)."""
     return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
@@ -144,24 +143,37 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 def geglu(gate, up, approximate: str) -> torch.Tensor:
+    if library.dispatched(gate):
+        if needs_grad(gate, up):
+            return GeGLU.apply(gate, up, approximate)
+        return library.geglu.op(gate, up, approximate)
     if transforms_active():
         return geglu_formula(gate, up, approximate)
     if needs_grad(gate, up):
         return GeGLU.apply(gate, up, approximate)
-    return library.geglu(gate, up, approximate)
+    return library.geglu.eager(gate, up, approximate)
 
 
 def linear(x, weight, bias, activation: int) -> torch.Tensor:
+    if library.dispatched(x):
+        if needs_grad(x, weight, bias):
+            return Linear.apply(x, weight, bias, activation)
+        return library.linear.op(x, weight, bias, activation, False)[0]
     if transforms_active():
         return linear_formula(x, weight, bias, activation)
     if needs_grad(x, weight, bias):
         return Linear.apply(x, weight, bias, activation)
-    return library.linear(x, weight, bias, activation, False)[0]
+    return library.linear.eager(x, weight, bias, activation, False)[0]
 
 
 def geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate: str) -> torch.Tensor:
+    args = (x, w_gate, w_up, b_gate, b_up, approximate)
+    if library.dispatched(x):
+        if needs_grad(x, w_gate, w_up, b_gate, b_up):
+            return GeGLULinear.apply(*args)
+        return library.geglu_linear.op(*args, False)[0]
     if transforms_active():
-        return geglu_linear_formula(x, w_gate, w_up, b_gate, b_up, approximate)
+        return geglu_linear_formula(*args)
     if needs_grad(x, w_gate, w_up, b_gate, b_up):
-        return GeGLULinear.apply(x, w_gate, w_up, b_gate, b_up, approximate)
-    return library.geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate, False)[0]
+        return GeGLULinear.apply(*args)
+    return library.geglu_linear.eager(*args, False)[0]

@@ -40,18 +40,17 @@ def check_tensors(op: str, dtensors: bool = False, **tensors: torch.Tensor) -> N
     first = next(iter(tensors.values()))
     if type(first) in PLAIN_TENSORS:  # the common case, in a few attribute reads
         dtype, device = first.dtype, first.device
-        if (
-            dtype in SUPPORTED_DTYPES
-            and kernels_run_on(device)
-            and all(
-                type(t) in PLAIN_TENSORS
-                and t.dtype == dtype
-                and t.device == device
-                and t.layout == torch.strided
-                for t in tensors.values()
-            )
-        ):
-            return
+        if dtype in SUPPORTED_DTYPES and device.type in _RUNNABLE_DEVICE_TYPES:
+            for t in tensors.values():
+                if (
+                    type(t) not in PLAIN_TENSORS
+                    or t.dtype is not dtype
+                    or t.device != device
+                    or t.layout is not torch.strided
+                ):
+                    break
+            else:
+                return
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(
@@ -109,9 +108,13 @@ def is_dtensor(t: object) -> bool:
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
+# Device types where the Triton kernels run (the CPU only under the interpreter).
+_RUNNABLE_DEVICE_TYPES = frozenset(d for d in DEVICES if d != "cpu" or INTERPRETED)
+
+
 def kernels_run_on(device: torch.device) -> bool:
-    """Whether the Triton kernels run on ``device`` (the CPU only under the interpreter)."""
-    return device.type in DEVICES and (device.type != "cpu" or INTERPRETED)
+    """Whether the Triton kernels run on ``device``."""
+    return device.type in _RUNNABLE_DEVICE_TYPES
 
 
 def check_approximate(op: str, approximate: str) -> None:

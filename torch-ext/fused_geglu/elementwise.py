@@ -8,7 +8,7 @@ strides. A launch plan is cached per (direction, variant, dtype, shapes, strides
 import torch
 
 from .activation import geglu_bwd_kernel, geglu_fwd_kernel
-from .launch import INTERPRETED, LRU, Launcher, cdiv
+from .launch import INTERPRETED, BoundedCache, Launcher, cdiv
 
 # Contiguous operands: 1024-element tiles with 4 warps (two 16-byte vectors per thread in
 # 16-bit dtypes) stream at copy rate (benchmarks/NOTES.md). The interpreter pays per
@@ -31,6 +31,8 @@ def row_tile_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
 def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
     """A 2-D [rows, cols] view of ``t`` over its leading dims, or None when their strides
     cannot be expressed as one row stride (e.g. a permuted batch)."""
+    if t.dim() == 2:
+        return t
     try:
         return t.view(-1, t.shape[-1])
     except RuntimeError:
@@ -45,13 +47,13 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return rows if rows is not None else t.reshape(-1, t.shape[-1])
 
 
-_PLANS = LRU(256)
+_PLANS = BoundedCache(256)
 
 
-def _plan(kernel, approx_tanh: bool, rows: tuple[torch.Tensor, ...]):
-    """(launcher, grid, (M, N, *strides)) for [M, N] views ``rows`` (the outputs last)."""
+def _plan(kernel, approx_tanh: bool, rows: tuple[torch.Tensor, ...], flat: bool):
+    """(launcher, grid, (M, N, *strides)) for [M, N] views ``rows`` (the outputs last), or
+    with ``flat`` for contiguous tensors of one size, seen as one row."""
     first = rows[0]
-    flat = all(t.is_contiguous() for t in rows)
     if flat:
         key = (id(kernel), approx_tanh, first.dtype, first.numel())
     else:
@@ -65,12 +67,12 @@ def _plan(kernel, approx_tanh: bool, rows: tuple[torch.Tensor, ...]):
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
-    M, N = first.shape
     if flat:
-        M, N = 1, M * N
+        M, N = 1, first.numel()
         block_m, block_n, num_warps = 1, FLAT_BLOCK, FLAT_WARPS
         strides = [(0, 1)] * len(rows)
     else:
+        M, N = first.shape
         block_m, block_n, num_warps = row_tile_config(N, first.element_size())
         strides = [t.stride() for t in rows]
     grid_m, grid_n = cdiv(M, block_m), cdiv(N, block_n)
@@ -98,13 +100,18 @@ def geglu_forward(
     """out = round(gelu(gate)) * up; the three tensors share a shape, ``out`` may be any view."""
     if gate.numel() == 0:
         return
+    tanh = approximate == "tanh"
+    if gate.is_contiguous() and up.is_contiguous() and out.is_contiguous():
+        launcher, grid, ints = _plan(geglu_fwd_kernel, tanh, (gate, up, out), True)
+        launcher(grid, gate, up, out, *ints)
+        return
     g, u, o = as_rows(gate), as_rows(up), _rows_view(out)
     if o is None:
         tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         geglu_forward(gate, up, tmp, approximate)
         out.copy_(tmp)
         return
-    launcher, grid, ints = _plan(geglu_fwd_kernel, approximate == "tanh", (g, u, o))
+    launcher, grid, ints = _plan(geglu_fwd_kernel, tanh, (g, u, o), False)
     launcher(grid, g, u, o, *ints)
 
 
@@ -116,10 +123,16 @@ def geglu_backward(
     dup = torch.empty_like(dgate)
     if gate.numel() == 0:
         return dgate, dup
+    tanh = approximate == "tanh"
+    if dout.is_contiguous() and gate.is_contiguous() and up.is_contiguous():
+        rows = (dout, gate, up, dgate)
+        launcher, grid, ints = _plan(geglu_bwd_kernel, tanh, rows, True)
+        launcher(grid, dout, gate, up, dgate, dup, *ints[:8])
+        return dgate, dup
     d, g, u = as_rows(dout), as_rows(gate), as_rows(up)
-    # dgate's view joins the plan for the flat/int64 decisions: the outputs are contiguous.
+    # dgate's view joins the plan for the int64 decision: the outputs are contiguous.
     launcher, grid, ints = _plan(
-        geglu_bwd_kernel, approximate == "tanh", (d, g, u, dgate.view(g.shape))
+        geglu_bwd_kernel, tanh, (d, g, u, dgate.view(g.shape)), False
     )
     launcher(grid, d, g, u, dgate, dup, *ints[:8])
     return dgate, dup

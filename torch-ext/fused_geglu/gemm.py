@@ -11,7 +11,7 @@ Every entry point computes into ``c`` ([M, N]) from ``a`` ([M, K]) and weights i
 ``act`` is an activation code: GELU (exact) or GELU_TANH. Rounding points are eager's
 (gemm_kernels.py). Configurations are chosen in ``gemm_config`` from the shape class; a
 plan (configuration, grid, split, launcher) is cached per exact call signature in a
-bounded LRU, so a repeated call costs a dict lookup and the launch.
+bounded BoundedCache, so a repeated call costs a dict lookup and the launch.
 """
 
 from dataclasses import dataclass
@@ -21,7 +21,7 @@ from triton.runtime.driver import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm_kernels import gemm_kernel, gemm_tma_kernel
-from .launch import INTERPRETED, LRU, Launcher, cdiv, has_tma, num_programs
+from .launch import INTERPRETED, BoundedCache, Launcher, cdiv, has_tma, num_programs
 
 NO_ACT, GELU, GELU_TANH = 0, 1, 2
 
@@ -309,33 +309,33 @@ class _Plan:
         return launcher
 
 
-_PLANS = LRU(1024)
+_PLANS = BoundedCache(1024)
 
 
-def _gemm(a, b, c, epi: Epilogue, b_up=None, bias=None, bias_up=None, preact=None,
+def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
           preact_up=None, z=None, bias_grad=None) -> None:  # fmt: skip
     M, K = a.shape
     N = b.shape[0]
     if M == 0 or N == 0:
         if bias_grad is not None:  # no output columns, but the row sums of A are owed
             if z is not None:
-                approximate = "tanh" if epi.dact == GELU_TANH else "none"
+                approximate = "tanh" if epi[3] == GELU_TANH else "none"
                 a = torch.ops.aten.gelu_backward(a, z, approximate=approximate)
             bias_grad.copy_(a.float().sum(1))
         return
     dtype, device = a.dtype, a.device
-    key = (
-        M, N, K, dtype, device, epi, a.stride(), b.stride(), c.stride(),
-        None if b_up is None else b_up.stride(), None if z is None else z.stride(),
-        None if bias is None else bias.stride(), None if bias_up is None else bias_up.stride(),
+    none2 = (None, None)
+    strides = (
+        *a.stride(), *b.stride(), *(none2 if b_up is None else b_up.stride()),
+        *c.stride(), *(none2 if z is None else z.stride()),
+        None if bias is None else bias.stride(0),
+        None if bias_up is None else bias_up.stride(0),
     )  # fmt: skip
+    key = (M, N, K, dtype, device, epi, strides)
     plan = _PLANS.get(key)
     if plan is None:
         tma = K > 0 and tma_applies(M, dtype, device)
-        plan = _PLANS[key] = _Plan(M, N, K, dtype, device, epi, tma)
-    bias_strides = (
-        None if bias is None else bias.stride(0), None if bias_up is None else bias_up.stride(0)
-    )  # fmt: skip
+        plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), tma)
     if plan.tma:
         descs = _tma_descriptors(a, b, b_up, z, c, plan.cfg)
         if descs is not None:
@@ -344,36 +344,21 @@ def _gemm(a, b, c, epi: Epilogue, b_up=None, bias=None, bias_up=None, preact=Non
             grid = min(plan.tiles, num_programs(device))
             launcher(
                 grid, a_d, b_d, z_d, c_d, bias, bias_up, preact, preact_up, bias_grad,
-                M, N, K, *bias_strides,
+                M, N, K, *strides[-2:],
             )  # fmt: skip
             return
         # Hopper, but an operand TMA cannot describe: the portable kernel's plan.
         key = (*key, "portable")
         plan = _PLANS.get(key)
         if plan is None:
-            plan = _PLANS[key] = _Plan(M, N, K, dtype, device, epi, False)
+            plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), False)
     ws = counters = None
     if plan.split > 1:
         ws, counters = split_k_scratch(device, plan.ws_numel)
-    none2 = (None, None)
     plan.launchers(
         plan.tiles * plan.split, a, b, b_up, bias, bias_up, c, preact, preact_up, z,
-        bias_grad, ws, counters, M, N, K, *a.stride(), *b.stride(),
-        *(none2 if b_up is None else b_up.stride()), *c.stride(),
-        *(none2 if z is None else z.stride()), *bias_strides,
+        bias_grad, ws, counters, M, N, K, *strides,
     )  # fmt: skip
-
-
-# Epilogues by entry point, built once (hashable plan-key parts).
-_EPILOGUES: dict[tuple, Epilogue] = {}
-
-
-def _epilogue(**flags) -> Epilogue:
-    key = tuple(flags.items())
-    epi = _EPILOGUES.get(key)
-    if epi is None:
-        epi = _EPILOGUES[key] = Epilogue(**flags)
-    return epi
 
 
 def gemm(
@@ -387,10 +372,15 @@ def gemm(
 ) -> None:
     """c = a @ b^T + bias, or c += a @ b^T with ``accumulate``; ``bias_grad`` receives the
     row sums of ``a`` (with a = dY^T: the bias gradient of a weight-gradient GEMM)."""
-    epi = _epilogue(
-        has_bias=bias is not None,
-        accumulate=accumulate,
-        bias_grad=bias_grad is not None,
+    # Epilogue's fields: activation, gated, store_preact, dact, bias_grad, accumulate, has_bias
+    epi = (
+        NO_ACT,
+        False,
+        False,
+        NO_ACT,
+        bias_grad is not None,
+        accumulate,
+        bias is not None,
     )
     _gemm(a, b, c, epi, bias=bias, bias_grad=bias_grad)
 
@@ -405,10 +395,14 @@ def gemm_act(
     preact: torch.Tensor | None = None,  # [M, N] contiguous
 ) -> None:
     """c = act(a @ b^T + bias); ``preact`` receives the rounded a @ b^T + bias."""
-    epi = _epilogue(
-        activation=activation,
-        has_bias=bias is not None,
-        store_preact=preact is not None,
+    epi = (
+        activation,
+        False,
+        preact is not None,
+        NO_ACT,
+        False,
+        False,
+        bias is not None,
     )
     _gemm(a, b, c, epi, bias=bias, preact=preact)
 
@@ -424,7 +418,7 @@ def gemm_dact(
 ) -> None:
     """c = round(a * act'(z)) @ b^T: the backward of a GEMM + activation, dZ formed in the
     prologue; ``bias_grad`` receives the row sums of round(a * act'(z))."""
-    epi = _epilogue(dact=activation, bias_grad=bias_grad is not None)
+    epi = (NO_ACT, False, False, activation, bias_grad is not None, False, False)
     _gemm(a, b, c, epi, z=z, bias_grad=bias_grad)
 
 
@@ -442,10 +436,15 @@ def gemm_gated(
 ) -> None:
     """c = round(act(gate)) * up with gate = a @ b_gate^T + bias_gate, up = a @ b_up^T +
     bias_up (each rounded); ``gate``/``up`` receive them (what backward needs)."""
-    epi = _epilogue(
-        activation=activation, gated=True, has_bias=bias_gate is not None,
-        store_preact=gate is not None,
-    )  # fmt: skip
+    epi = (
+        activation,
+        True,
+        gate is not None,
+        NO_ACT,
+        False,
+        False,
+        bias_gate is not None,
+    )
     _gemm(
         a, b_gate, c, epi, b_up=b_up, bias=bias_gate, bias_up=bias_up, preact=gate,
         preact_up=up,

@@ -6,13 +6,11 @@ hashes the result on each call, which costs more host time than the launch itsel
 compiles one kernel per (constexprs, options, each pointer's dtype and 16-byte alignment,
 each int's class: == 1, % 16 == 0, 32- or 64-bit). A ``Launcher`` serves arguments of one
 such specialisation (its owner keys launchers by dtypes, shapes and strides, in a bounded
-``LRU``): its first call goes through ``kernel[grid]``, later ones launch the compiled
-kernel through its own runner (``CompiledKernel[grid](*args)``, the pattern of Triton's
-fused-softmax tutorial). Misaligned pointers, launch hooks (proton), the interpreter, and a
-Triton whose runner refuses the call take ``kernel[grid]`` every time.
+``BoundedCache``): its first call goes through ``kernel[grid]``, later ones hand the
+compiled kernel's launcher what ``JITFunction.run`` would. Misaligned pointers, launch hooks
+(proton), the interpreter, and a Triton whose launcher refuses those arguments take
+``kernel[grid]`` every time.
 """
-
-from collections import OrderedDict
 
 import torch
 import triton
@@ -66,45 +64,39 @@ def has_tma(device: torch.device) -> bool:
     return tma
 
 
-class LRU(OrderedDict):
-    """A bounded mapping that forgets its least recently used entry: host-side plans keyed
-    by exact shapes stay few however many token counts a process sees."""
+class BoundedCache(dict):
+    """A dict that forgets its oldest entry beyond ``size`` entries: host-side plans keyed by
+    exact shapes stay few however many token counts a process sees. A hit is a plain
+    ``dict.get`` (no bookkeeping on the hot path)."""
 
     def __init__(self, size: int):
         super().__init__()
         self.size = size
 
-    def get(self, key, default=None):
-        value = super().get(key, default)
-        if value is not default:
-            self.move_to_end(key)
-        return value
-
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
         if len(self) > self.size:
-            self.popitem(last=False)
+            del self[next(iter(self))]
 
 
 # Whether the direct launch works with this Triton (False from its first refused call on).
-direct_launch_works = hasattr(triton.compiler.CompiledKernel, "__getitem__")
+direct_launch_works = all(
+    hasattr(triton.compiler.CompiledKernel, name)
+    for name in ("run", "function", "packed_metadata")
+)
 # Pipeline depth that fitted in shared memory, after a launch had to retry with fewer
 # stages (a GPU with less shared memory than the tables assume).
 _STAGES_THAT_FIT: dict[tuple, int] = {}
+_RUNTIME_KNOBS = knobs.runtime
 
 
 def _launch_hooks_set() -> bool:
-    """Whether a profiler (e.g. proton) hooks Triton's launches: JITFunction.run calls them."""
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
-
-
-def _aligned(arg) -> bool:
-    """Whether a pointer argument is 16-byte aligned (what Triton specialises pointers on)."""
-    if isinstance(arg, torch.Tensor):
-        return arg.data_ptr() % 16 == 0
-    base = getattr(arg, "base", None)  # a TensorDescriptor
-    return base is None or base.data_ptr() % 16 == 0
+    """Whether a profiler (e.g. proton) hooks Triton's launches: JITFunction.run calls them.
+    A hook is a function, or a chain of them (an empty chain calls nothing)."""
+    for hook in (_RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
 
 
 class Launcher:
@@ -112,43 +104,62 @@ class Launcher:
     ``num_stages``) for arguments of one specialisation: the caller keys its launchers by
     the arguments' dtypes, shapes and strides, so every call of one launcher compiles to
     the same kernel. The first call, and any with a misaligned pointer or under a launch
-    hook, goes through ``kernel[grid](...)``; later calls launch the compiled kernel."""
+    hook, goes through ``kernel[grid](...)``; later calls hand the compiled kernel's
+    launcher the arguments ``JITFunction.run`` would (every parameter, constexprs too)."""
 
-    __slots__ = ("compiled", "constexprs", "kernel", "values")
+    __slots__ = (
+        "binary",
+        "constexprs",
+        "device",
+        "kernel",
+        "pointers",
+        "stream",
+        "values",
+    )
 
     def __init__(self, kernel, constexprs: dict):
         self.kernel = kernel
         self.constexprs = constexprs
-        # The runner takes every parameter, constexprs too, in parameter order.
         params = getattr(kernel, "params", ())
         self.values = tuple(constexprs[p.name] for p in params if p.is_constexpr)
-        self.compiled = None
+        self.binary = None
+        self.pointers = ()  # positions of the tensor arguments
+        # The active driver's current-device and -stream getters, as JITFunction.run's.
+        self.device = self.stream = None
 
     def __call__(self, grid: int, *args) -> None:
         """``args``: the kernel's runtime parameters in order, None where unused (Triton
         compiles those out)."""
         global direct_launch_works
-        compiled = self.compiled
-        if (
-            compiled is not None
-            and all(map(_aligned, args))
-            and not _launch_hooks_set()
-        ):
-            try:
-                compiled[(grid, 1, 1)](*args, *self.values)
-                return
-            except (TypeError, AttributeError):
-                # This Triton's runner takes other arguments (the call launched nothing):
-                # Triton's own launch from now on.
-                direct_launch_works = False
-                self.compiled = None
-        compiled = self._launch_through_triton(grid, args)
+        binary = self.binary
+        if binary is not None and not _launch_hooks_set():
+            for i in self.pointers:
+                if args[i].data_ptr() & 15:
+                    break
+            else:
+                try:
+                    binary.run(
+                        grid, 1, 1, self.stream(self.device()), binary.function,
+                        binary.packed_metadata, None, None, None, *args, *self.values,
+                    )  # fmt: skip
+                    return
+                except (TypeError, AttributeError, SystemError):
+                    # This Triton's launcher takes other arguments (the call launched
+                    # nothing): Triton's own launch from now on.
+                    direct_launch_works = False
+                    self.binary = None
+        binary = self._launch_through_triton(grid, args)
         if (
             direct_launch_works
             and isinstance(self.kernel, JITFunction)
-            and all(map(_aligned, args))
+            and not _launch_hooks_set()
         ):
-            self.compiled = compiled
+            pointers = tuple(
+                i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+            )
+            if all(args[i].data_ptr() & 15 == 0 for i in pointers):
+                self.device, self.stream = _stream_getters()
+                self.pointers, self.binary = pointers, binary
 
     def _launch_through_triton(self, grid: int, args: tuple):
         constexprs = self.constexprs
@@ -164,3 +175,10 @@ class Launcher:
                     raise
                 stages -= 1
                 _STAGES_THAT_FIT[key] = stages
+
+
+def _stream_getters() -> tuple:
+    """The active driver's current-device and current-stream getters, which
+    ``JITFunction.run`` launches with."""
+    driver = triton.runtime.driver.active
+    return driver.get_current_device, driver.get_current_stream

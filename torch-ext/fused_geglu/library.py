@@ -29,6 +29,9 @@ def _empty(
     return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
 
+_profiler_enabled = torch.autograd._profiler_enabled
+
+
 def dispatched(t: torch.Tensor) -> bool:
     """Whether a call on ``t`` must go through the dispatcher (see the module docstring)."""
     return (
@@ -61,7 +64,11 @@ class KernelOp:
     def __call__(self, *args):
         if dispatched(args[0]):
             return self.op(*args)
-        if torch.autograd._profiler_enabled():
+        return self.eager(*args)
+
+    def eager(self, *args):
+        """The implementation, for plain tensors outside torch.compile."""
+        if _profiler_enabled():
             with torch.profiler.record_function(self.name):
                 return self.impl(*args)
         return self.impl(*args)

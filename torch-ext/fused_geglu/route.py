@@ -13,7 +13,10 @@ A layer runs our kernels only where they reproduce the module's forward. Anywher
 runs the module's own forward and warns once, naming the reason.
 """
 
+import functools
 import importlib
+import inspect
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -31,12 +34,13 @@ from .launch import has_tma
 def fuse_projections(x: torch.Tensor, training: bool) -> bool:
     """Whether the dual GEMM computes gelu(gate) * up for ``x`` (see the module docstring);
     under autocast the projections' own forwards choose the dtype."""
+    if training or x.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    device = x.device
     return (
-        not training
-        and x.dtype in (torch.float16, torch.bfloat16)
-        and has_tma(x.device)
+        has_tma(device)
         and not is_dtensor(x)
-        and not torch.is_autocast_enabled(x.device.type)
+        and not torch.is_autocast_enabled(device.type)
     )
 
 
@@ -90,16 +94,45 @@ def gelu_approximation(act_fn: nn.Module) -> str | None:
     return None
 
 
-def _code_fingerprint(fn) -> tuple | None:
-    """What makes two forwards compute the same thing: their bytecode and the names,
-    variables and constants it uses (a docstring aside; line numbers differ)."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return None
+def _code_key(code: types.CodeType, doc: str | None = None) -> tuple:
+    """Bytecode and everything it refers to, line numbers aside: names, variables, flags,
+    and constants with their types (1, 1.0 and True differ; nested code by its own key)."""
     consts = tuple(
-        c for c in code.co_consts if not (isinstance(c, str) and c == fn.__doc__)
+        _code_key(c) if isinstance(c, types.CodeType) else (type(c), c)
+        for c in code.co_consts
+        if not (doc is not None and isinstance(c, str) and c == doc)
     )
-    return code.co_code, code.co_names, code.co_varnames, code.co_argcount, consts
+    return (
+        code.co_code, code.co_names, code.co_varnames, code.co_argcount,
+        code.co_kwonlyargcount, code.co_flags, consts,
+    )  # fmt: skip
+
+
+def _forward_fingerprint(cls: type) -> tuple | None:
+    """What makes two classes' forwards compute the same thing: the forward's code key, its
+    defaults, and the class methods it calls (``self.gelu``: an override changes the
+    result without changing the forward's bytecode). None for a forward that is not a
+    plain function (decorated, built in): not comparable."""
+    forward = inspect.getattr_static(cls, "forward", None)
+    if not isinstance(forward, types.FunctionType) or hasattr(forward, "__wrapped__"):
+        return None
+    code = forward.__code__
+    methods = tuple(
+        (name, inspect.getattr_static(cls, name, None))
+        for name in code.co_names
+        if isinstance(
+            inspect.getattr_static(cls, name, None),
+            (types.FunctionType, staticmethod, classmethod, property),
+        )
+    )
+    defaults = tuple(
+        (type(d), repr(d))
+        for d in (
+            *(forward.__defaults__ or ()),
+            *(forward.__kwdefaults__ or {}).items(),
+        )
+    )
+    return _code_key(code, forward.__doc__), defaults, methods
 
 
 @dataclass(frozen=True)
@@ -115,13 +148,18 @@ class Family:
     # bytecode (a copy, e.g. Gemma2MLP of GemmaMLP) is reproduced too.
     references: tuple[str, ...]
 
+    @functools.cached_property
+    def children(self) -> tuple[str, ...]:
+        """The submodules a route reads."""
+        return tuple(n for n in (*self.projections, self.down, self.act) if n)
+
     def reproduces(self, cls: type) -> bool:
         key = (self.name, cls)
         known = _REPRODUCED.get(key)
         if known is None:
-            fingerprint = _code_fingerprint(cls.forward)
+            fingerprint = _forward_fingerprint(cls)
             known = fingerprint is not None and any(
-                fingerprint == _code_fingerprint(ref.forward)
+                fingerprint == _forward_fingerprint(ref)
                 for ref in _reference_classes(self.references)
             )
             _REPRODUCED[key] = known
@@ -157,10 +195,8 @@ class ModuleRoute:
     warned: set = field(default_factory=set)  # the reasons already warned of
 
 
-_ROUTES: "weakref.WeakKeyDictionary[nn.Module, ModuleRoute]" = (
-    weakref.WeakKeyDictionary()
-)
-_WARNED: set = set()
+# id(module) -> its route; an entry leaves with its module (weakref.finalize).
+_ROUTES: dict[int, ModuleRoute] = {}
 
 
 def _plain_linear_operands(m: nn.Module) -> tuple | None:
@@ -179,25 +215,27 @@ def _plain_linear_operands(m: nn.Module) -> tuple | None:
 
 
 def _signature(module: nn.Module, family: Family) -> tuple:
-    """Identities of everything a route depends on (submodules, their parameters, hooks):
-    cheap dict reads, compared on every call."""
+    """Identities of everything a route depends on (submodules, their parameters and data,
+    hooks, patched forwards): cheap dict reads, compared on every call."""
     mods = module._modules
-    parts = [type(module)]
-    for name in (*family.projections, family.down, family.act):
-        m = mods.get(name) if name else None
-        parts.append(id(m))
-        if m is not None:
-            params = m._parameters
-            weight = params.get("weight")
-            parts += [
-                id(weight),
-                # a parameter's data swapped in place (module.to()): cached views are stale
-                weight.data_ptr() if type(weight) in PLAIN_TENSORS else None,
-                id(params.get("bias")),
-                len(m._forward_hooks) + len(m._forward_pre_hooks),
-                id(m.__dict__.get("forward")),
-            ]
-    return tuple(parts)
+    signature = (type(module),)
+    for name in family.children:
+        m = mods.get(name)
+        if m is None:
+            signature += (None,)
+            continue
+        params = m._parameters
+        weight = params.get("weight")
+        signature += (
+            id(m),
+            id(weight),
+            # a parameter's data swapped in place (module.to()): cached views are stale
+            weight.data_ptr() if type(weight) in PLAIN_TENSORS else None,
+            id(params.get("bias")),
+            bool(m._forward_hooks or m._forward_pre_hooks),
+            id(m.__dict__.get("forward")),
+        )
+    return signature
 
 
 def _tp_colwise_shards(m: nn.Module) -> tuple | None:
@@ -292,9 +330,11 @@ def _new_route(module: nn.Module, family: Family, signature: tuple) -> ModuleRou
 def module_route(module: nn.Module, family: Family) -> ModuleRoute:
     """The module's route, re-derived only when its signature changed."""
     signature = _signature(module, family)
-    route = _ROUTES.get(module)
+    route = _ROUTES.get(id(module))
     if route is None or route.signature != signature:
-        route = _ROUTES[module] = _new_route(module, family, signature)
+        if route is None:
+            weakref.finalize(module, _ROUTES.pop, id(module), None)
+        route = _ROUTES[id(module)] = _new_route(module, family, signature)
     return route
 
 

@@ -1,0 +1,70 @@
+"""Where the host time of a kernelized model goes: cProfile of greedy ``generate()`` on the
+e2e benchmark's model (fewer layers), eager and kernelized, and the host time per call of
+one MLP at 1 token, eager against kernelized, by interleaved rounds (bench_lib.host_us).
+Needs a CUDA GPU. Usage: python benchmarks/host_profile.py [--layers 4] [--top 30]"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+
+import bench_lib as lib  # first: it picks the interpreter without a GPU
+import torch
+from e2e import build_models
+
+
+def profile(fn, top: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    lib.sync()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main(argv=None) -> int:
+    lib.require_cuda("host_profile.py")
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args(argv)
+    eager, ours = build_models(args.layers, 256)
+    ids = torch.randint(0, 1000, (1, 16), device="cuda")
+    gen = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens}
+    gen |= {"do_sample": False, "pad_token_id": 0}
+    x = torch.randn(1, 1, eager.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    mlp_eager, mlp_ours = eager.model.layers[0].mlp, ours.model.layers[0].mlp
+    with torch.no_grad():
+        for model in (eager, ours):
+            model.generate(ids, **gen)  # warm-up: compiles, plans
+        us = lib.host_us(
+            {"eager_mlp": lambda: mlp_eager(x), "ours_mlp": lambda: mlp_ours(x)}
+        )
+        print({name: round(v, 1) for name, v in us.items()})
+        for name, model in (("eager", eager), ("ours", ours)):
+            print(f"--- {name}: generate({args.new_tokens} tokens), by own time")
+            print(profile(lambda m=model: m.generate(ids, **gen), args.top))
+        # Launches that went through JITFunction.run (not the direct launch) in one more
+        # generate: only the first of each new shape should.
+        ours_kernel, slow = lib.load_ours(), []
+        for kernel in (
+            ours_kernel.gemm_kernels.gemm_kernel,
+            ours_kernel.gemm_kernels.gemm_tma_kernel,
+        ):
+            kernel.run = lambda *a, _run=kernel.run, **k: (
+                slow.append(1) or _run(*a, **k)
+            )
+        ours.generate(ids, **gen)
+        direct = ours_kernel.launch.direct_launch_works
+        print(
+            f"launches through JITFunction.run in one generate: {len(slow)}; direct launch works: {direct}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

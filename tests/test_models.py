@@ -173,9 +173,10 @@ def test_unsupported_activation_runs_own_forward(device):
     """A non-GeLU activation: the module's own forward (eager's logits) and a warning."""
     eager = tiny_model("gemma2", device, hidden_activation="silu")
     ours = kernelized(copy.deepcopy(eager), device, Mode.INFERENCE)
+    ids = inputs(device)
     with pytest.warns(RuntimeWarning, match="SiLUActivation.*not a GeLU"):
-        got = ours(inputs(device)).logits
-    torch.testing.assert_close(got, eager(inputs(device)).logits, rtol=0, atol=0)
+        got = ours(ids).logits
+    torch.testing.assert_close(got, eager(ids).logits, rtol=0, atol=0)
 
 
 def test_saved_checkpoint_then_kernelize(device, tmp_path):

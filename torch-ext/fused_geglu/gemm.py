@@ -312,9 +312,20 @@ class _Plan:
 _PLANS = BoundedCache(1024)
 
 
+def _rows(t: torch.Tensor) -> tuple[int, int, tuple[int, int]]:
+    """(rows, cols, (row stride, col stride)) of a 2-D operand, or of a contiguous [..., cols]
+    one seen as 2-D rows (no view is made: the kernel reads pointers and strides)."""
+    if t.dim() == 2:
+        rows, cols = t.shape
+        return rows, cols, t.stride()
+    cols = t.shape[-1]
+    return t.numel() // cols, cols, (cols, 1)
+
+
 def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
           preact_up=None, z=None, bias_grad=None) -> None:  # fmt: skip
-    M, K = a.shape
+    """``a`` and ``c``: 2-D, or contiguous of any rank (seen as rows)."""
+    M, K, stride_a = _rows(a)
     N = b.shape[0]
     if M == 0 or N == 0:
         if bias_grad is not None:  # no output columns, but the row sums of A are owed
@@ -326,8 +337,8 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
     dtype, device = a.dtype, a.device
     none2 = (None, None)
     strides = (
-        *a.stride(), *b.stride(), *(none2 if b_up is None else b_up.stride()),
-        *c.stride(), *(none2 if z is None else z.stride()),
+        *stride_a, *b.stride(), *(none2 if b_up is None else b_up.stride()),
+        *_rows(c)[2], *(none2 if z is None else z.stride()),
         None if bias is None else bias.stride(0),
         None if bias_up is None else bias_up.stride(0),
     )  # fmt: skip
@@ -337,7 +348,9 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         tma = K > 0 and tma_applies(M, dtype, device)
         plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), tma)
     if plan.tma:
-        descs = _tma_descriptors(a, b, b_up, z, c, plan.cfg)
+        a2 = a if a.dim() == 2 else a.view(M, K)
+        c2 = c if c.dim() == 2 else c.view(M, N)
+        descs = _tma_descriptors(a2, b, b_up, z, c2, plan.cfg)
         if descs is not None:
             (a_d, b_d, z_d, c_d), a_t, b_t, up_first = descs
             launcher = plan.tma_launcher(a_t, b_t, up_first, b_d)

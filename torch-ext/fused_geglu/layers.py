@@ -60,7 +60,8 @@ def _route(module: nn.Module, x: torch.Tensor, family: Family):
     reason = fallback_reason(route, x)
     if reason is None:
         return route
-    warn_fallback(module, family, reason, route.warned)
+    if not torch.compiler.is_compiling():  # warned by the eager calls
+        warn_fallback(module, family, reason, route.warned)
     return None
 
 

@@ -14,6 +14,7 @@ kernel-builder's is.
 """
 
 import functools
+import math
 
 import torch
 
@@ -23,10 +24,21 @@ from .elementwise import as_rows, geglu_backward, geglu_forward
 from .gemm import GELU_TANH, NO_ACT, gelu_code, gemm, gemm_act, gemm_dact, gemm_gated
 
 
+def _rows_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the GEMMs read it: itself when 2-D or contiguous (no view made), else 2-D
+    rows (a view, or a copy where strides cannot express one)."""
+    if t.dim() == 2 or (t.is_contiguous() and t.shape[-1] > 0):
+        return t
+    return as_rows(t)
+
+
 def _empty(
     like: torch.Tensor, *shape, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+    # new_empty: fewer arguments to parse than torch.empty(shape, dtype=, device=)
+    if dtype is None:
+        return like.new_empty(shape)
+    return like.new_empty(shape, dtype=dtype)
 
 
 _profiler_enabled = torch.autograd._profiler_enabled
@@ -140,15 +152,16 @@ def register_dtensor_rules() -> None:
 
 def _linear(x, weight, bias, activation, store_preact):
     """(act(x @ weight^T + bias), the pre-activation when ``store_preact`` else None)."""
-    x2 = as_rows(x)
-    y = _empty(x, x2.shape[0], weight.shape[0])
+    x2 = _rows_operand(x)
+    n = weight.shape[0]
+    y = _empty(x, *x.shape[:-1], n)
     preact = None
     if activation == NO_ACT:
         gemm(x2, weight, y, bias=bias)
     else:
-        preact = _empty(x, *y.shape) if store_preact else None
+        preact = _empty(x, math.prod(x.shape[:-1]), n) if store_preact else None
         gemm_act(x2, weight, y, activation, bias=bias, preact=preact)
-    return y.view(*x.shape[:-1], weight.shape[0]), preact
+    return y, preact
 
 
 def _linear_fake(x, weight, bias, activation, store_preact):
@@ -221,15 +234,18 @@ linear_grad = KernelOp(
 
 def _geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate, store_preact):
     """(h, gate, up): the pre-activations when ``store_preact``, else None."""
-    x2 = as_rows(x)
-    m, n = x2.shape[0], w_gate.shape[0]
-    h = _empty(x, m, n)
-    gate, up = (_empty(x, m, n), _empty(x, m, n)) if store_preact else (None, None)
+    x2 = _rows_operand(x)
+    n = w_gate.shape[0]
+    h = _empty(x, *x.shape[:-1], n)
+    gate = up = None
+    if store_preact:
+        m = math.prod(x.shape[:-1])
+        gate, up = _empty(x, m, n), _empty(x, m, n)
     gemm_gated(
         x2, w_gate, w_up, h, gelu_code(approximate), bias_gate=b_gate, bias_up=b_up,
         gate=gate, up=up,
     )  # fmt: skip
-    return h.view(*x.shape[:-1], n), gate, up
+    return h, gate, up
 
 
 def _geglu_linear_fake(x, w_gate, w_up, b_gate, b_up, approximate, store_preact):

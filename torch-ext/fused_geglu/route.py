@@ -154,19 +154,26 @@ class Family:
         return tuple(n for n in (*self.projections, self.down, self.act) if n)
 
     def reproduces(self, cls: type) -> bool:
-        key = (self.name, cls)
-        known = _REPRODUCED.get(key)
-        if known is None:
-            fingerprint = _forward_fingerprint(cls)
-            known = fingerprint is not None and any(
-                fingerprint == _forward_fingerprint(ref)
-                for ref in _reference_classes(self.references)
-            )
-            _REPRODUCED[key] = known
-        return known
+        return _reproduces(self, cls)
 
 
 _REPRODUCED: dict[tuple, bool] = {}
+
+
+# torch.compile runs it while tracing and keeps the answer (inspect and importlib do not
+# trace); a class's forward does not change under a compiled model.
+@torch.compiler.assume_constant_result
+def _reproduces(family: Family, cls: type) -> bool:
+    key = (family.name, cls)
+    known = _REPRODUCED.get(key)
+    if known is None:
+        fingerprint = _forward_fingerprint(cls)
+        known = fingerprint is not None and any(
+            fingerprint == _forward_fingerprint(ref)
+            for ref in _reference_classes(family.references)
+        )
+        _REPRODUCED[key] = known
+    return known
 
 
 def _reference_classes(references: tuple[str, ...]) -> list[type]:
@@ -192,7 +199,7 @@ class ModuleRoute:
     fusable: tuple | None = None  # their local (weight, bias) pairs for the dual GEMM
     down: nn.Module | None = None
     down_operands: tuple | None = None  # the down projection's (weight, bias)
-    warned: set = field(default_factory=set)  # the reasons already warned of
+    warned: set = field(default_factory=set)  # the reasons already warned of (eager)
 
 
 # id(module) -> its route; an entry leaves with its module (weakref.finalize).
@@ -328,7 +335,10 @@ def _new_route(module: nn.Module, family: Family, signature: tuple) -> ModuleRou
 
 
 def module_route(module: nn.Module, family: Family) -> ModuleRoute:
-    """The module's route, re-derived only when its signature changed."""
+    """The module's route, re-derived only when its signature changed; under torch.compile
+    derived while tracing (Dynamo guards on what it reads instead)."""
+    if torch.compiler.is_compiling():
+        return _new_route(module, family, ())
     signature = _signature(module, family)
     route = _ROUTES.get(id(module))
     if route is None or route.signature != signature:

@@ -79,11 +79,10 @@ class BoundedCache(dict):
             del self[next(iter(self))]
 
 
-# Whether the direct launch works with this Triton (False from its first refused call on).
-direct_launch_works = all(
-    hasattr(triton.compiler.CompiledKernel, name)
-    for name in ("run", "function", "packed_metadata")
-)
+# Whether the direct launch works with this Triton: False from its first refused call on,
+# with the error kept for diagnosis.
+direct_launch_works = True
+direct_launch_error: Exception | None = None
 # Pipeline depth that fitted in shared memory, after a launch had to retry with fewer
 # stages (a GPU with less shared memory than the tables assume).
 _STAGES_THAT_FIT: dict[tuple, int] = {}
@@ -130,7 +129,7 @@ class Launcher:
     def __call__(self, grid: int, *args) -> None:
         """``args``: the kernel's runtime parameters in order, None where unused (Triton
         compiles those out)."""
-        global direct_launch_works
+        global direct_launch_works, direct_launch_error
         binary = self.binary
         if binary is not None and not _launch_hooks_set():
             for i in self.pointers:
@@ -143,10 +142,10 @@ class Launcher:
                         binary.packed_metadata, None, None, None, *args, *self.values,
                     )  # fmt: skip
                     return
-                except (TypeError, AttributeError, SystemError):
+                except (TypeError, AttributeError, SystemError) as error:
                     # This Triton's launcher takes other arguments (the call launched
                     # nothing): Triton's own launch from now on.
-                    direct_launch_works = False
+                    direct_launch_works, direct_launch_error = False, error
                     self.binary = None
         binary = self._launch_through_triton(grid, args)
         if (

@@ -16,6 +16,7 @@ runs the module's own forward and warns once, naming the reason.
 import functools
 import importlib
 import inspect
+import sys
 import types
 import warnings
 import weakref
@@ -154,23 +155,27 @@ class Family:
         return tuple(n for n in (*self.projections, self.down, self.act) if n)
 
     def reproduces(self, cls: type) -> bool:
-        return _reproduces(self, cls)
+        return _reproduces(self.references, cls.__module__, cls.__qualname__)
 
 
 _REPRODUCED: dict[tuple, bool] = {}
 
 
 # torch.compile runs it while tracing and keeps the answer (inspect and importlib do not
-# trace); a class's forward does not change under a compiled model.
+# trace; its arguments are constants); a class's forward does not change under a
+# compiled model.
 @torch.compiler.assume_constant_result
-def _reproduces(family: Family, cls: type) -> bool:
-    key = (family.name, cls)
+def _reproduces(references: tuple[str, ...], module: str, qualname: str) -> bool:
+    key = (references, module, qualname)
     known = _REPRODUCED.get(key)
     if known is None:
-        fingerprint = _forward_fingerprint(cls)
+        cls = sys.modules.get(module)
+        for name in qualname.split("."):  # a class local to a function: not found, None
+            cls = getattr(cls, name, None)
+        fingerprint = None if cls is None else _forward_fingerprint(cls)
         known = fingerprint is not None and any(
             fingerprint == _forward_fingerprint(ref)
-            for ref in _reference_classes(family.references)
+            for ref in _reference_classes(references)
         )
         _REPRODUCED[key] = known
     return known

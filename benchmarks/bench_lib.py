@@ -255,18 +255,18 @@ def kernel_list(fn) -> dict:
 # --- peers ------------------------------------------------------------------------------
 
 
-class EagerGeGLUMLP(nn.Module):
-    """The eager MLP, as transformers' GemmaMLP computes it."""
+def eager_geglu_mlp(hidden: int, intermediate: int) -> nn.Module:
+    """The eager MLP: transformers' GemmaMLP itself (tanh GeLU), whose forward our layer
+    reproduces (a look-alike class would run its own forward)."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.act_fn = nn.GELU(approximate="tanh")
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    config = GemmaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        hidden_act="gelu_pytorch_tanh",
+    )
+    return GemmaMLP(config)
 
 
 def activation_peers(ours, approximate: str = "tanh") -> dict[str, Callable]:
@@ -292,7 +292,7 @@ def linear_peers(ours, linear: nn.Linear) -> dict[str, Callable]:
     }
 
 
-def mlp_peers(ours, mlp: EagerGeGLUMLP, dynamic: bool | None = None) -> dict:
+def mlp_peers(ours, mlp: nn.Module, dynamic: bool | None = None) -> dict:
     """The MLP as functions of x, all on ``mlp``'s projections: ours as the layer
     kernelize installs (``ours_layer``), as ``geglu_mlp`` (``ours_dual_gemm``) and as
     cuBLAS projections around our ``geglu`` (``ours_fused_activation``)."""
@@ -354,7 +354,7 @@ def stages(names, ours, hidden: int, intermediate: int, dtype) -> tuple[list, li
         raise ValueError(f"unknown stages {sorted(unknown)}; known: {list(STAGES)}")
     with torch.device(DEVICE):
         lin = nn.Linear(hidden, intermediate).to(dtype).requires_grad_(False)
-        mlp = EagerGeGLUMLP(hidden, intermediate).to(dtype).requires_grad_(False)
+        mlp = eager_geglu_mlp(hidden, intermediate).to(dtype).requires_grad_(False)
     peers = {"linear": linear_peers(ours, lin), "mlp": mlp_peers(ours, mlp)}
     built = [Stage(op, p, fn) for op, fns in peers.items() for p, fn in fns.items()]
     built = {s.name: s for s in built}

@@ -1,21 +1,24 @@
 """`kernels benchmark .` workloads for the GeGLU MLP `down(gelu(gate(x)) * up(x))`: the
-layer path (`layers.GeGLUMLP.forward`: the model's projections plus our fused `geglu`, what
-kernelize swaps in) and the dual GEMM (`geglu_mlp`, two kernels).
+layer path (`layers.GeGLUMLP.forward` on transformers' GemmaMLP, what kernelize swaps in)
+and `geglu_mlp` (both take the route of route.py: in 16-bit inference on Hopper, the dual
+GEMM and the down GEMM).
 
 Each verify_ returns the eager MLP's result (transformers' GemmaMLP computation), which the
 runner compares with self.out and times as the reference. On a GPU: Gemma-2B (hidden 2048,
 intermediate 16384) in bfloat16. Without one: tiny float32 shapes in the Triton interpreter
-(bf16 `tl.dot` is not supported there), chosen (bench_lib) before triton is imported.
+(its cost grows with the shapes), chosen (bench_lib) before triton is imported.
 """
 
 import sys
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # loaded by file path
-from bench_lib import Workloads  # also picks the interpreter without a GPU
+from bench_lib import (  # also picks the interpreter without a GPU
+    Workloads,
+    eager_geglu_mlp,
+)
 from kernels.benchmark import Benchmark
 
 # (tokens, hidden, intermediate)
@@ -37,16 +40,14 @@ class MLPWorkloads(Workloads):
     def make(self, tokens: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
         self.x = torch.randn(tokens, hidden, device=self.device, dtype=dtype)
         # gate and up of std ~1; down scaled so outputs stay well under 1 (runner atol 1e-2).
-        self.mlp = nn.Module()
-        for name, n_in, n_out, scale in (
-            ("gate_proj", hidden, inter, 1.0),
-            ("up_proj", hidden, inter, 1.0),
-            ("down_proj", inter, hidden, 0.125),
+        self.mlp = eager_geglu_mlp(hidden, inter).to(self.device, dtype)
+        for name, n_in, scale in (
+            ("gate_proj", hidden, 1.0),
+            ("up_proj", hidden, 1.0),
+            ("down_proj", inter, 0.125),
         ):
-            proj = nn.Linear(n_in, n_out, bias=False, device=self.device, dtype=dtype)
-            proj.requires_grad_(False).weight.normal_(0, scale / n_in**0.5)
-            setattr(self.mlp, name, proj)
-        self.mlp.act_fn = nn.GELU(approximate="tanh")
+            proj = getattr(self.mlp, name).requires_grad_(False)
+            proj.weight.normal_(0, scale / n_in**0.5)
 
     def reference(self):
         m = self.mlp
@@ -54,8 +55,8 @@ class MLPWorkloads(Workloads):
 
 
 class GeGLUMLPLayerBenchmark(MLPWorkloads, Benchmark):
-    """layers.GeGLUMLP.forward on the module, as kernelize runs it: the projections'
-    own forwards (cuBLAS) and the fused activation."""
+    """layers.GeGLUMLP.forward on transformers' GemmaMLP, as kernelize runs it (the
+    route of route.py)."""
 
     def run(self):
         self.out = self.kernel.layers.GeGLUMLP.forward(self.mlp, self.x)

@@ -97,7 +97,7 @@ def linear(ours, ceil, later):
 
 def mlp(ours, ceil, later):
     hidden, inter = 2048, 16384
-    model = lib.EagerGeGLUMLP(hidden, inter).to("cuda", BF16)
+    model = lib.eager_geglu_mlp(hidden, inter).to("cuda", BF16)
     peers = lib.mlp_peers(ours, model, dynamic=False)
     result = {"hidden": hidden, "intermediate": inter, "dtype": "bfloat16"}
     result |= {"forward": {}, "fwd_bwd": {}}
@@ -240,7 +240,7 @@ def host_calls(ours, device="cuda", dtype=BF16, scale=1) -> dict[str, dict]:
         p: lambda fn=fn: torch.autograd.grad(fn(xg), (xg, lin.weight, lin.bias), dh)
         for p, fn in peers.items()
     }
-    mlp = lib.EagerGeGLUMLP(h, i).to(device, dtype).requires_grad_(False)
+    mlp = lib.eager_geglu_mlp(h, i).to(device, dtype).requires_grad_(False)
     gate, up = mlp.gate_proj, mlp.up_proj
 
     def geglu_linear_eager(x):

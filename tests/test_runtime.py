@@ -121,7 +121,8 @@ def test_unsupported_device_falls_back_to_the_original_forward():
     assert same == "True"
     assert int(count) == TINY["num_hidden_layers"]
     assert message.startswith(
-        "fused-geglu GeGLUMLP: Triton kernels cannot run on cpu tensors in this process"
+        "fused-geglu GeGLUMLP: GemmaMLP runs its own forward: Triton kernels cannot run "
+        "on cpu tensors in this process"
     )
 
 

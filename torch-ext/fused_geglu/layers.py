@@ -187,8 +187,15 @@ class Linear(nn.Module):
             return type(self).forward(self, input)
         weight, bias = self.weight, self.bias
         # A DTensor weight (tensor-parallel, FSDP): DTensor's linear does the collectives.
-        # Mixed dtypes: F.linear's own error.
-        if is_dtensor(weight) or weight.dtype != input.dtype:
+        # Mixed dtypes, sizes or devices: F.linear's own error.
+        if (
+            is_dtensor(weight)
+            or weight.dtype is not input.dtype
+            or input.dim() == 0
+            or input.shape[-1] != weight.shape[1]
+            or weight.device != input.device
+            or (bias is not None and bias.shape != weight.shape[:1])
+        ):
             return F.linear(input, weight, bias)
         if not kernels_run_on(input.device) or input.dtype not in SUPPORTED_DTYPES:
             reason = (

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd
+from . import autograd, library
 from .checks import PLAIN_TENSORS, SUPPORTED_DTYPES, is_dtensor, kernels_run_on
 from .gemm import tma_applies, tma_tiles_fill_gpu
 from .launch import has_tma
@@ -47,7 +47,7 @@ def fuse_projections(x: torch.Tensor, training: bool) -> bool:
 
 def down_projection(h, weight, bias, fused: bool) -> torch.Tensor:
     """``h @ weight.T + bias`` by the kernel the policy picks (h is 2-D or more)."""
-    if fused and not torch.compiler.is_compiling():
+    if fused and not torch.compiler.is_compiling() and h.shape[-1] == weight.shape[1]:
         m = h.numel() // h.shape[-1]
         n, k = weight.shape
         if tma_applies(m, h.dtype, h.device) and tma_tiles_fill_gpu(
@@ -301,6 +301,9 @@ def _linear_operands(m: nn.Module) -> tuple | None:
 
 def _new_route(module: nn.Module, family: Family, signature: tuple) -> ModuleRoute:
     cls = type(module)
+    missing = [name for name in family.children if name not in module._modules]
+    if missing:
+        return ModuleRoute(signature, f"it has no submodule {', '.join(missing)}")
     if not family.reproduces(cls):
         return ModuleRoute(
             signature,
@@ -390,8 +393,12 @@ def geglu_projections(route: ModuleRoute, x: torch.Tensor, family: Family):
     fusable = route.fusable
     if fusable is not None:
         w_gate, w_up, b_gate, b_up = fusable
-        if w_gate.dtype == x.dtype and fuse_projections(
-            x, autograd.needs_grad(x, w_gate, w_up, b_gate, b_up)
+        # The module's own forward would raise for another dtype, size or device.
+        if (
+            w_gate.dtype is x.dtype
+            and x.shape[-1] == w_gate.shape[1]
+            and w_gate.device == x.device
+            and fuse_projections(x, autograd.needs_grad(x, w_gate, w_up, b_gate, b_up))
         ):
             return autograd.geglu_linear(
                 x, w_gate, w_up, b_gate, b_up, route.approximate
@@ -401,7 +408,26 @@ def geglu_projections(route: ModuleRoute, x: torch.Tensor, family: Family):
     else:
         halves = route.projections[0](x).chunk(2, dim=-1)
         gate, up = halves[family.gate_half], halves[1 - family.gate_half]
-    return autograd.geglu(gate, up, route.approximate), False
+    return activation(gate, up, route.approximate), False
+
+
+def activation(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
+    """``gelu(gate) * up`` for the projections' outputs: our kernel where it computes
+    exactly that (one shape, dtype and device it runs on; DTensors of one shape through
+    their sharding rule), else eager's formula (broadcasting, mixed or other dtypes)."""
+    plain = type(gate) in PLAIN_TENSORS and type(up) in PLAIN_TENSORS
+    if (
+        gate.shape == up.shape
+        and gate.dtype is up.dtype
+        and gate.dtype in SUPPORTED_DTYPES
+        and gate.device == up.device
+        and kernels_run_on(gate.device)
+        and (plain or (is_dtensor(gate) and is_dtensor(up)))
+    ):
+        if not plain:
+            library.register_dtensor_rules()
+        return autograd.geglu(gate, up, approximate)
+    return autograd.geglu_formula(gate, up, approximate)
 
 
 def project_down(route: ModuleRoute, h: torch.Tensor, fused: bool) -> torch.Tensor:

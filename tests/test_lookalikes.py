@@ -3,6 +3,7 @@ reproduces run our kernels; look-alikes (same submodule names, a forward that do
 run their own forward, bit for bit, with a warning that names the reason. The classes come
 from an audit of transformers 5.22.2 and diffusers 0.42.1 (docs/supported-modules.md)."""
 
+import copy
 import warnings
 
 import pytest
@@ -116,3 +117,53 @@ def test_reproduced_forward_runs_our_kernels(fused_geglu, device, monkeypatch, n
     got, expected, warned = run_layer(fused_geglu, make, layer, device)
     assert warned == [] and launched, (warned, launched)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernelize_mlps(fused_geglu, device):
+    """One call replaces every MLP a layer reproduces, reports them, leaves look-alikes."""
+    from kernels import Mode
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {name: make() for name, (make, _) in {**REPRODUCED, **LOOKALIKES}.items()}
+    ).to(device)
+    eager = copy.deepcopy(model).eval()
+    replaced = fused_geglu.kernelize_mlps(
+        model.eval(), mode=Mode.INFERENCE, device=device
+    )
+    assert replaced == {name: layer for name, (_, layer) in REPRODUCED.items()}
+    x = torch.randn(3, H, device=device)
+    with torch.no_grad():
+        for name, module in model.items():
+            torch.testing.assert_close(module(x), eager[name](x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("layer", "approximate"), [("GeluAndMul", "none"), ("GeluTanhAndMul", "tanh")]
+)
+def test_gelu_and_mul_layers(fused_geglu, device, layer, approximate):
+    """kernels-community activation semantics, differentiable; an odd last dim runs the
+    module's own forward (here: its own error)."""
+
+    class Activation(torch.nn.Module):
+        def forward(self, x):
+            d = x.shape[-1] // 2
+            return (
+                torch.nn.functional.gelu(x[..., :d], approximate=approximate)
+                * x[..., d:]
+            )
+
+    module = Activation()
+    forward = getattr(fused_geglu.layers, layer).forward.__get__(module)
+    x = torch.randn(3, 5, 8, device=device, requires_grad=True)
+    got, expected = forward(x), module(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    (dx,) = torch.autograd.grad(got.sum(), x)
+    (dx_eager,) = torch.autograd.grad(expected.sum(), x)
+    torch.testing.assert_close(dx, dx_eager, rtol=1e-5, atol=1e-6)
+    odd = torch.randn(2, 7, device=device)
+    with (
+        pytest.raises(RuntimeError, match="must match"),
+        pytest.warns(RuntimeWarning, match="no even last dim"),
+    ):
+        forward(odd)

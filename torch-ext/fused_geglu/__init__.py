@@ -1,6 +1,7 @@
 """fused-geglu: Triton GeGLU kernels and drop-in layers for the Hugging Face kernels Hub."""
 
 from . import layers
+from .integration import kernelize_mlps
 from .ops import geglu, geglu_linear, geglu_mlp, gelu_and_mul, gelu_tanh_and_mul, linear
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "geglu_mlp",
     "gelu_and_mul",
     "gelu_tanh_and_mul",
+    "kernelize_mlps",
     "layers",
     "linear",
 ]

@@ -208,3 +208,45 @@ class Linear(nn.Module):
 
 
 LINEAR = Family("Linear", (), 0, None, None, ())
+
+
+def _halves_geglu(module: nn.Module, x: torch.Tensor, approximate: str, family: Family):
+    """kernels-community ``activation`` semantics: ``gelu(x[..., :d]) * x[..., d:]``,
+    differentiable; the module's own forward where our kernel does not run (an odd last
+    dim, another dtype or device)."""
+    d = x.shape[-1] // 2 if x.dim() else 0
+    if x.dim() == 0 or x.shape[-1] % 2:
+        reason = f"its input of shape {tuple(x.shape)} has no even last dim"
+    elif x.dtype not in SUPPORTED_DTYPES or not kernels_run_on(x.device):
+        reason = (
+            f"its input is {x.dtype} on {x.device.type}, where the kernels do not run"
+        )
+    else:
+        return autograd.geglu(x[..., :d], x[..., d:], approximate)
+    warn_fallback(module, family, reason)
+    return type(module).forward(module, x)
+
+
+GELU_AND_MUL = Family("GeluAndMul", (), 0, None, None, ())
+GELU_TANH_AND_MUL = Family("GeluTanhAndMul", (), 0, None, None, ())
+
+
+class GeluAndMul(nn.Module):
+    """kernels-community ``activation``'s ``GeluAndMul``: ``gelu(x[..., :d]) *
+    x[..., d:]`` with exact GeLU, for ``x`` of ``[..., 2d]``; also differentiable."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _halves_geglu(self, x, "none", GELU_AND_MUL)
+
+
+class GeluTanhAndMul(nn.Module):
+    """As ``GeluAndMul`` with the tanh approximation of GeLU."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _halves_geglu(self, x, "tanh", GELU_TANH_AND_MUL)

@@ -1,0 +1,116 @@
+"""Autograd beyond the first derivative: double backward, torch.func transforms and
+forward-mode AD give eager's results (the op's PyTorch formula runs there); frozen weights
+cost no weight-gradient GEMM; hooks on a layer's activation fire (its own forward)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from launches import spy_launches
+from reference import eager_geglu, eager_geglu_linear, eager_linear
+
+
+def ops(fused_geglu):
+    """(ours, eager) pairs of functions of tensors, float32 inputs."""
+    return {
+        "geglu": (
+            lambda g, u: fused_geglu.geglu(g, u, "tanh"),
+            lambda g, u: eager_geglu(g, u, "tanh"),
+        ),
+        "linear": (
+            lambda x, w, b: fused_geglu.linear(x, w, b, "gelu"),
+            lambda x, w, b: eager_linear(x, w, b, "gelu"),
+        ),
+        "geglu_linear": (
+            lambda x, wg, wu: fused_geglu.geglu_linear(x, wg, wu, approximate="none"),
+            lambda x, wg, wu: eager_geglu_linear(x, wg, wu, approximate="none"),
+        ),
+    }
+
+
+def inputs(name, device):
+    shapes = {
+        "geglu": [(4, 6), (4, 6)],
+        "linear": [(4, 5), (6, 5), (6,)],
+        "geglu_linear": [(4, 5), (6, 5), (6, 5)],
+    }[name]
+    return [torch.randn(s, device=device, requires_grad=True) for s in shapes]
+
+
+@pytest.mark.parametrize("name", ["geglu", "linear", "geglu_linear"])
+def test_double_backward(fused_geglu, device, name):
+    """A gradient penalty: d/dθ ||d out / d inputs||², as eager computes it."""
+    ours, eager = ops(fused_geglu)[name]
+    args = inputs(name, device)
+    results = []
+    for fn in (ours, eager):
+        xs = [a.detach().clone().requires_grad_() for a in args]
+        grads = torch.autograd.grad(fn(*xs).square().sum(), xs, create_graph=True)
+        penalty = sum(g.square().sum() for g in grads)
+        results.append(torch.autograd.grad(penalty, xs))
+    for o, e in zip(*results):
+        torch.testing.assert_close(o, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["geglu", "linear", "geglu_linear"])
+def test_torch_func_transforms(fused_geglu, device, name):
+    """grad, vmap, jacrev and jvp (forward-mode AD) give eager's results."""
+    ours, eager = ops(fused_geglu)[name]
+    args = [a.detach() for a in inputs(name, device)]
+    for transform in (
+        lambda fn: torch.func.grad(lambda *a: fn(*a).square().sum())(*args),
+        lambda fn: torch.func.vmap(fn, in_dims=(0,) + (None,) * (len(args) - 1))(
+            torch.stack([args[0], 2 * args[0]]), *args[1:]
+        ),
+        lambda fn: torch.func.jacrev(fn)(*args),
+        lambda fn: torch.func.jvp(
+            fn, tuple(args), tuple(torch.ones_like(a) for a in args)
+        ),
+    ):
+        torch.testing.assert_close(
+            transform(ours), transform(eager), rtol=1e-4, atol=1e-5
+        )
+
+
+def test_frozen_weights_run_no_weight_gradient_gemm(fused_geglu, device, monkeypatch):
+    """Only the input needs a gradient (frozen projections, as in LoRA): backward runs the
+    activation's gradient and dX's two GEMMs, no weight-gradient GEMM."""
+    x = torch.randn(8, 16, device=device, requires_grad=True)
+    wg, wu = (torch.randn(24, 16, device=device) for _ in range(2))
+    h = fused_geglu.geglu_linear(x, wg, wu)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    h.sum().backward()
+    gemms = [k for k in launched if k.startswith("gemm")]
+    assert len(gemms) == 2, launched  # dX = dGate @ Wg + dUp @ Wu
+    assert wg.grad is None and x.grad is not None
+
+
+def test_hooks_on_the_activation_fire(fused_geglu, device):
+    """A forward hook on act_fn (activation capture, steering): the module's own forward
+    runs, so the hook fires and its edit counts."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    mlp = GemmaMLP(GemmaConfig(hidden_size=16, intermediate_size=24)).to(device)
+    eager = copy.deepcopy(mlp)
+    captured = []
+    for m in (mlp, eager):
+        m.act_fn.register_forward_hook(
+            lambda mod, i, out: captured.append(out) or 2 * out
+        )
+    x = torch.randn(3, 16, device=device)
+    with pytest.warns(RuntimeWarning, match="carries hooks"):
+        got = fused_geglu.layers.GeGLUMLP.forward.__get__(mlp)(x)
+    torch.testing.assert_close(got, eager(x), rtol=0, atol=0)
+    assert len(captured) == 2
+
+
+def test_gelu_and_mul_refuses_grad(fused_geglu, device):
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    out = torch.empty(4, 4, device=device)
+    with pytest.raises(RuntimeError, match="not differentiable.*geglu"):
+        fused_geglu.gelu_and_mul(out, x)
+    with torch.no_grad():
+        fused_geglu.gelu_and_mul(out, x)
+    torch.testing.assert_close(out, F.gelu(x[:, :4]) * x[:, 4:], rtol=1e-5, atol=1e-6)

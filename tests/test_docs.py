@@ -91,7 +91,7 @@ import sys
 for layer in model.model.layers:
     forward = layer.mlp.forward.__func__
     assert forward.__qualname__ == "GeGLUMLP.forward", forward
-    assert forward.__module__.startswith("_fused_geglu_cpu_"), forward.__module__
+    assert forward.__module__.startswith("_fused_geglu_"), forward.__module__
 assert logits.shape == (1, 8, 256) and bool(logits.isfinite().all())
 print("kernelized")
 """

@@ -448,3 +448,10 @@ def test_from_pretrained_use_kernels(device, family, tmp_path, monkeypatch):
     with torch.no_grad():
         expected, got = step(eager)[0], step(ours)[0]
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_route_fingerprint_is_a_compile_time_constant(fused_geglu):
+    """route._reproduces carries the mark torch.compiler.assume_constant_result sets."""
+    marked = torch.compiler.assume_constant_result(lambda: None)
+    marks = {k for k in vars(marked) if k.startswith("_dynamo")}
+    assert marks and all(getattr(fused_geglu.route._reproduces, k) for k in marks)

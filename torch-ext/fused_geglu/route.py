@@ -161,10 +161,6 @@ class Family:
 _REPRODUCED: dict[tuple, bool] = {}
 
 
-# torch.compile runs it while tracing and keeps the answer (inspect and importlib do not
-# trace; its arguments are constants); a class's forward does not change under a
-# compiled model.
-@torch.compiler.assume_constant_result
 def _reproduces(references: tuple[str, ...], module: str, qualname: str) -> bool:
     key = (references, module, qualname)
     known = _REPRODUCED.get(key)
@@ -179,6 +175,14 @@ def _reproduces(references: tuple[str, ...], module: str, qualname: str) -> bool
         )
         _REPRODUCED[key] = known
     return known
+
+
+# torch.compile runs it while tracing and keeps the answer (inspect and importlib do not
+# trace; its arguments are constants; a class's forward does not change under a compiled
+# model). This is what torch.compiler.assume_constant_result sets, without importing
+# torch._dynamo at the package's import (3-4 s, and torch.distributed.tensor with it);
+# tests/test_families.py checks that the two agree.
+_reproduces._dynamo_marked_constant = True
 
 
 def _reference_classes(references: tuple[str, ...]) -> list[type]:

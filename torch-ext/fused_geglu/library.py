@@ -262,19 +262,8 @@ geglu_linear = KernelOp(
 )
 
 
-def _geglu_linear_backward(
-    dh,
-    x,
-    w_gate,
-    w_up,
-    gate,
-    up,
-    approximate,
-    need_dx,
-    need_dw_gate,
-    need_dw_up,
-    need_db,
-):
+def _geglu_linear_backward(dh, x, w_gate, w_up, gate, up, approximate, need_dx, need_dw_gate, need_dw_up,
+                           need_db):  # fmt: skip
     """(dx, dw_gate, dw_up, db_gate, db_up), None where not needed."""
     dgate, dup = geglu_backward(as_rows(dh), gate, up, approximate)
     dx = None
@@ -298,19 +287,8 @@ def _geglu_linear_backward(
     return dx, dwg, dwu, dbg, dbu
 
 
-def _geglu_linear_backward_fake(
-    dh,
-    x,
-    w_gate,
-    w_up,
-    gate,
-    up,
-    approximate,
-    need_dx,
-    need_dw_gate,
-    need_dw_up,
-    need_db,
-):
+def _geglu_linear_backward_fake(dh, x, w_gate, w_up, gate, up, approximate, need_dx, need_dw_gate, need_dw_up,
+                                need_db):  # fmt: skip
     nb = w_gate.shape[0] if need_db else 0
     return (
         _empty(x, *x.shape) if need_dx else _empty(x, 0),

@@ -342,7 +342,7 @@ STAGES = {
     "mlp_compile": "torch.compile GeGLU MLP",
     "mlp_liger": "Liger GEGLU MLP",
     "mlp_ours_layer": "layers.GeGLUMLP (16-bit GPU inference: dual GEMM; else projections + fused geglu)",
-    "mlp_ours_dual_gemm": "geglu_mlp (dual GEMM)",
+    "mlp_ours_dual_gemm": "geglu_mlp (the layer's route, on raw weights)",
     "mlp_ours_fused_activation": "cuBLAS projections + fused geglu",
 }
 

@@ -84,6 +84,18 @@ def paragraph(text: str) -> list[str]:
     return [line.replace("\0", " ") for line in lines] + [""]
 
 
+def mlp_forward_table(mlp: dict, key: str, fmt) -> list[str]:
+    """The MLP forward's ``key`` by token count and peer, each ``fmt``-ed; the token counts
+    measured without it are left out (no table at all: [])."""
+    peers = list(next(iter(mlp["forward"].values())))
+    rows = [
+        [tokens] + [fmt(row[p][key]) for p in peers]
+        for tokens, row in mlp["forward"].items()
+        if key in row[peers[0]]
+    ]
+    return table(["tokens"] + [PEERS[p] for p in peers], rows) + [""] if rows else []
+
+
 def compare_section(path: Path, result: dict) -> list[str]:
     env, ceil = result["env"], result["ceilings"]
     tune = path.with_name(path.name.replace("-compare.json", "-tune.json"))
@@ -137,22 +149,11 @@ def compare_section(path: Path, result: dict) -> list[str]:
     )
 
     mlp = result["mlp"]
-    peers = list(next(iter(mlp["forward"].values())))
     title = f"Gemma-2B MLP (hidden {mlp['hidden']}, intermediate {mlp['intermediate']})"
     lines += [f"{title}, {mlp['dtype']}, forward ms:", ""]
-    rows = [
-        [tokens] + [ms(row[p]["ms"]) for p in peers]
-        for tokens, row in mlp["forward"].items()
-    ]
-    lines += table(["tokens"] + [PEERS[p] for p in peers], rows) + [""]
-    rows = [
-        [tokens] + [f"{row[p]['host_us']:.0f}" for p in peers]
-        for tokens, row in mlp["forward"].items()
-        if "host_us" in row[peers[0]]
-    ]
-    if rows:
-        lines += ["Host (CPU) time per MLP forward, µs:", ""]
-        lines += table(["tokens"] + [PEERS[p] for p in peers], rows) + [""]
+    lines += mlp_forward_table(mlp, "ms", ms)
+    if host := mlp_forward_table(mlp, "host_us", lambda us: f"{us:.0f}"):
+        lines += ["Host (CPU) time per MLP forward, µs:", "", *host]
     parts = [
         f"{PEERS[p]} {ms(r['ms'])} ms ({r['peak_extra_MiB']:.0f} MiB)"
         for p, r in mlp["fwd_bwd"].items()
@@ -304,14 +305,9 @@ def summary_section(compare: Path, result: dict) -> list[str]:
         head = ["feed-forward (GPU time, CUDA-graph replay)", "tokens x hidden"]
         lines += table(head + ["eager ms", "fused-geglu ms", "speed-up"], rows) + [""]
     mlp = result["mlp"]
-    peers = list(next(iter(mlp["forward"].values())))
     title = f"hidden {mlp['hidden']}, intermediate {mlp['intermediate']}"
     lines += [f"Gemma-2B MLP forward, ms ({title}):", ""]
-    rows = [
-        [tokens] + [ms(row[p]["ms"]) for p in peers]
-        for tokens, row in mlp["forward"].items()
-    ]
-    return lines + table(["tokens"] + [PEERS[p] for p in peers], rows) + [""]
+    return lines + mlp_forward_table(mlp, "ms", ms)
 
 
 def render_summary() -> str:

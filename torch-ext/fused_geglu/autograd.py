@@ -142,38 +142,40 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     )
 
 
+def _call(function, formula, op, args: tuple, tensors: tuple, store_preact=None):
+    """One public function's call: the autograd Function where autograd records it, else
+    the kernel op (dispatched, or its body in eager); the PyTorch formula under torch.func
+    transforms and forward-mode AD. ``store_preact``: the op's last argument (False: the
+    forward's intermediates are not kept) for ops that return them after the output."""
+    grad = needs_grad(*tensors)
+    if not library.dispatched(args[0]):
+        if transforms_active():
+            return formula(*args)
+        if grad:
+            return function.apply(*args)
+        run = op.eager
+    elif grad:
+        return function.apply(*args)
+    else:
+        run = op.op
+    if store_preact is None:
+        return run(*args)
+    return run(*args, store_preact)[0]
+
+
 def geglu(gate, up, approximate: str) -> torch.Tensor:
-    if library.dispatched(gate):
-        if needs_grad(gate, up):
-            return GeGLU.apply(gate, up, approximate)
-        return library.geglu.op(gate, up, approximate)
-    if transforms_active():
-        return geglu_formula(gate, up, approximate)
-    if needs_grad(gate, up):
-        return GeGLU.apply(gate, up, approximate)
-    return library.geglu.eager(gate, up, approximate)
+    args = (gate, up, approximate)
+    return _call(GeGLU, geglu_formula, library.geglu, args, (gate, up))
 
 
 def linear(x, weight, bias, activation: int) -> torch.Tensor:
-    if library.dispatched(x):
-        if needs_grad(x, weight, bias):
-            return Linear.apply(x, weight, bias, activation)
-        return library.linear.op(x, weight, bias, activation, False)[0]
-    if transforms_active():
-        return linear_formula(x, weight, bias, activation)
-    if needs_grad(x, weight, bias):
-        return Linear.apply(x, weight, bias, activation)
-    return library.linear.eager(x, weight, bias, activation, False)[0]
+    args = (x, weight, bias, activation)
+    return _call(Linear, linear_formula, library.linear, args, (x, weight, bias), False)
 
 
 def geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate: str) -> torch.Tensor:
     args = (x, w_gate, w_up, b_gate, b_up, approximate)
-    if library.dispatched(x):
-        if needs_grad(x, w_gate, w_up, b_gate, b_up):
-            return GeGLULinear.apply(*args)
-        return library.geglu_linear.op(*args, False)[0]
-    if transforms_active():
-        return geglu_linear_formula(*args)
-    if needs_grad(x, w_gate, w_up, b_gate, b_up):
-        return GeGLULinear.apply(*args)
-    return library.geglu_linear.eager(*args, False)[0]
+    tensors = (x, w_gate, w_up, b_gate, b_up)
+    return _call(
+        GeGLULinear, geglu_linear_formula, library.geglu_linear, args, tensors, False
+    )

@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import autograd
-from .checks import SUPPORTED_DTYPES, is_dtensor, kernels_run_on
+from .checks import is_dtensor
 from .route import (
     Family,
     fallback_reason,
     geglu_projections,
+    input_reason,
     module_route,
     project_down,
     warn_fallback,
@@ -61,7 +62,7 @@ def _route(module: nn.Module, x: torch.Tensor, family: Family):
     if reason is None:
         return route
     if not torch.compiler.is_compiling():  # warned by the eager calls
-        warn_fallback(module, family, reason, route.warned)
+        warn_fallback(module, family.name, reason, route.warned)
     return None
 
 
@@ -183,7 +184,7 @@ class Linear(nn.Module):
         if (
             type(self).forward is not nn.Linear.forward
         ):  # a subclass with its own forward
-            warn_fallback(self, LINEAR, "its forward is not nn.Linear's")
+            warn_fallback(self, "Linear", "its forward is not nn.Linear's")
             return type(self).forward(self, input)
         weight, bias = self.weight, self.bias
         # A DTensor weight (tensor-parallel, FSDP): DTensor's linear does the collectives.
@@ -197,38 +198,26 @@ class Linear(nn.Module):
             or (bias is not None and bias.shape != weight.shape[:1])
         ):
             return F.linear(input, weight, bias)
-        if not kernels_run_on(input.device) or input.dtype not in SUPPORTED_DTYPES:
-            reason = (
-                f"its input is {input.dtype} on {input.device.type}, where the kernels "
-                f"do not run"
-            )
-            warn_fallback(self, LINEAR, reason)
+        reason = input_reason(input)
+        if reason is not None:
+            warn_fallback(self, "Linear", reason)
             return F.linear(input, weight, bias)
         return autograd.linear(input, weight, bias, 0)
 
 
-LINEAR = Family("Linear", (), 0, None, None, ())
-
-
-def _halves_geglu(module: nn.Module, x: torch.Tensor, approximate: str, family: Family):
+def _halves_geglu(module: nn.Module, x: torch.Tensor, approximate: str, layer: str):
     """kernels-community ``activation`` semantics: ``gelu(x[..., :d]) * x[..., d:]``,
     differentiable; the module's own forward where our kernel does not run (an odd last
     dim, another dtype or device)."""
-    d = x.shape[-1] // 2 if x.dim() else 0
     if x.dim() == 0 or x.shape[-1] % 2:
         reason = f"its input of shape {tuple(x.shape)} has no even last dim"
-    elif x.dtype not in SUPPORTED_DTYPES or not kernels_run_on(x.device):
-        reason = (
-            f"its input is {x.dtype} on {x.device.type}, where the kernels do not run"
-        )
     else:
+        reason = input_reason(x)
+    if reason is None:
+        d = x.shape[-1] // 2
         return autograd.geglu(x[..., :d], x[..., d:], approximate)
-    warn_fallback(module, family, reason)
+    warn_fallback(module, layer, reason)
     return type(module).forward(module, x)
-
-
-GELU_AND_MUL = Family("GeluAndMul", (), 0, None, None, ())
-GELU_TANH_AND_MUL = Family("GeluTanhAndMul", (), 0, None, None, ())
 
 
 class GeluAndMul(nn.Module):
@@ -239,7 +228,7 @@ class GeluAndMul(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _halves_geglu(self, x, "none", GELU_AND_MUL)
+        return _halves_geglu(self, x, "none", "GeluAndMul")
 
 
 class GeluTanhAndMul(nn.Module):
@@ -249,4 +238,4 @@ class GeluTanhAndMul(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _halves_geglu(self, x, "tanh", GELU_TANH_AND_MUL)
+        return _halves_geglu(self, x, "tanh", "GeluTanhAndMul")

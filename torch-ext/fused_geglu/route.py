@@ -362,8 +362,11 @@ def module_route(module: nn.Module, family: Family) -> ModuleRoute:
 
 def fallback_reason(route: ModuleRoute, x: torch.Tensor) -> str | None:
     """Why our kernels cannot run this call (None: they can)."""
-    if route.fallback is not None:
-        return route.fallback
+    return route.fallback if route.fallback is not None else input_reason(x)
+
+
+def input_reason(x: torch.Tensor) -> str | None:
+    """Why our kernels cannot take ``x`` (None: they can)."""
     if not kernels_run_on(x.device):
         return (
             f"Triton kernels cannot run on {x.device.type} tensors in this process (the "
@@ -375,7 +378,7 @@ def fallback_reason(route: ModuleRoute, x: torch.Tensor) -> str | None:
 
 
 def warn_fallback(
-    module: nn.Module, family: Family, reason: str, warned: set | None = None
+    module: nn.Module, layer: str, reason: str, warned: set | None = None
 ) -> None:
     """Warns that the module runs its own forward, once per reason in ``warned`` (the
     module's route's; Python's warning filters then show one of identical messages)."""
@@ -383,7 +386,7 @@ def warn_fallback(
         if warned is not None:
             warned.add(reason)
         warnings.warn(
-            f"fused-geglu {family.name}: {type(module).__name__} runs its own forward: "
+            f"fused-geglu {layer}: {type(module).__name__} runs its own forward: "
             f"{reason}",
             RuntimeWarning,
             stacklevel=4,

@@ -102,17 +102,67 @@ def gemms(ours):
     return result
 
 
+def decode_mlp(ours):
+    """The whole-MLP kernel's tiles (gemm.mlp_config) on the Gemma-2B MLP at decode sizes,
+    against the two-kernel route (dual GEMM, cuBLAS down projection) and eager, by
+    CUDA-graph replay; the weight-streaming floor is the three weights at copy rate."""
+    dt = torch.bfloat16
+    gm = ours.gemm
+    h, i = 2048, 16384
+    wg, wu = (torch.randn(i, h, dtype=dt, device="cuda") / h**0.5 for _ in range(2))
+    wd = torch.randn(h, i, dtype=dt, device="cuda") / i**0.5
+    default = gm.mlp_config
+    # (BLOCK_I, BLOCK_K, BLOCK_N, num_warps, num_stages)
+    cands = [(128, 128, 128, 8, 3), (128, 128, 256, 8, 3), (128, 128, 128, 4, 3),
+             (128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (256, 64, 128, 8, 3),
+             (128, 64, 128, 8, 4)]  # fmt: skip
+    result = {}
+    for tokens in (1, 4, 16):
+        x = torch.randn(tokens, h, dtype=dt, device="cuda")
+        out = torch.empty(tokens, h, dtype=dt, device="cuda")
+        row = result[str(tokens)] = {}
+        for cfg in cands:
+            keys = ("BLOCK_I", "BLOCK_K", "BLOCK_N", "num_warps", "num_stages")
+            gm.mlp_config = lambda *a, cfg=cfg: dict(zip(keys, cfg))
+            gm._MLP_PLANS.clear()
+            try:
+                row[str(cfg)] = lib.bench_ms(
+                    lambda: gm.geglu_mlp_small(x, wg, wu, wd, out, gm.GELU_TANH), True
+                )
+            except triton.runtime.errors.OutOfResources as e:
+                row[str(cfg)] = repr(e)[:100]
+            print("decode_mlp", tokens, cfg, row[str(cfg)], flush=True)
+        gm.mlp_config = default
+        gm._MLP_PLANS.clear()
+        with torch.no_grad():
+            row["two_kernels"] = lib.bench_ms(
+                lambda: F.linear(ours.geglu_linear(x, wg, wu), wd), True
+            )
+            row["eager"] = lib.bench_ms(
+                lambda: F.linear(
+                    F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu), wd
+                ),
+                True,
+            )
+        print("decode_mlp", tokens, row, flush=True)
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
+    sections = ("elementwise", "gemm", "decode_mlp")
+    parser.add_argument("--only", nargs="*", default=sections, choices=sections)
     args = parser.parse_args()
     lib.require_cuda("benchmarks/tune.py")
     ours = lib.load_ours()
-    result = {
-        "env": lib.environment(ours),
-        "elementwise": elementwise(ours.elementwise),
-        "gemm": gemms(ours),
-    }
+    result = {"env": lib.environment(ours)}
+    if "elementwise" in args.only:
+        result["elementwise"] = elementwise(ours.elementwise)
+    if "gemm" in args.only:
+        result["gemm"] = gemms(ours)
+    if "decode_mlp" in args.only:
+        result["decode_mlp"] = decode_mlp(ours)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 

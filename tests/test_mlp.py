@@ -4,6 +4,7 @@ import copy
 from functools import partial
 
 import pytest
+import reference
 import torch
 import torch.nn.functional as F
 from conftest import HAS_GPU
@@ -156,3 +157,168 @@ def test_layer_down_projection_route(fused_geglu, device, monkeypatch, tokens):
     down = ["gemm_tma_kernel"] if ours_down else []
     assert launched == ["gemm_tma_kernel", *down]
     assert_close_to_ref(out, ref, eager)
+
+
+# --- The whole MLP in one launch (inference, at most MLP_MAX_TOKENS tokens) -------------
+
+ONE_LAUNCH_DTYPES = [torch.float16] + ([torch.bfloat16] if HAS_GPU else [])
+
+
+def _scratch_is_zero(fused_geglu) -> bool:
+    """The one-launch kernel leaves its fp32 sums and arrival count zero."""
+    return all(
+        not s.any() and not a.any() for s, a in fused_geglu.gemm._MLP_SCRATCH.values()
+    )
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize("dtype", ONE_LAUNCH_DTYPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_mlp_in_one_launch(fused_geglu, device, monkeypatch, tokens, dtype, bias, approximate):  # fmt: skip
+    """Up to 16 tokens in inference the MLP is one kernel, within the rule of float64 (its
+    fp32 sums over the intermediate columns are added in another order than eager's: the
+    accumulation floor). Hidden 72 and intermediate 200 leave partial K, column and
+    output tiles; the output starts as NaN (a missed element fails)."""
+    hidden, inter = 72, 200
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    ps = params(hidden, inter, dtype, device, bias)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    empty = fused_geglu.library._empty
+    monkeypatch.setattr(
+        fused_geglu.library,
+        "_empty",
+        lambda like, *shape, dtype=None: empty(like, *shape, dtype=dtype).fill_(
+            float("nan")
+        ),
+    )
+    with torch.no_grad():
+        out = fused_geglu.geglu_mlp(x, *ps, approximate=approximate)
+        again = fused_geglu.geglu_mlp(x, *ps, approximate=approximate)
+    assert launched == ["geglu_mlp_kernel"] * 2
+    assert _scratch_is_zero(fused_geglu)
+    ref = eager_geglu_mlp(*cast([x, *ps], torch.float64), approximate=approximate)
+    eager = eager_geglu_mlp(x, *ps, approximate=approximate)
+    floor = reference.accumulation_floor(ref, inter)
+    for result in (out, again):
+        assert_close_to_ref(result, ref, eager, floor=floor, what="one-launch MLP")
+
+
+def test_mlp_one_launch_limits(fused_geglu, device, monkeypatch):
+    """17 tokens, a recorded gradient, or deterministic algorithms: the two-kernel route
+    (the dual GEMM, then cuBLAS), with the same result as the one launch's rule."""
+    hidden, inter, dtype = 64, 96, torch.float16
+    ps = params(hidden, inter, dtype, device, True)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    with torch.no_grad():
+        fused_geglu.geglu_mlp(torch.randn(17, hidden, dtype=dtype, device=device), *ps)
+    assert launched == ["gemm_kernel"]
+    launched.clear()
+    x = torch.randn(3, hidden, dtype=dtype, device=device)
+    with torch.no_grad():
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+            fused_geglu.geglu_mlp(x, *ps)
+        assert launched == ["gemm_kernel"]
+        launched.clear()
+        fused_geglu.geglu_mlp(x, *ps)
+    assert launched == ["geglu_mlp_kernel"]
+    launched.clear()
+    fused_geglu.geglu_mlp(x, *(p.requires_grad_() for p in ps))
+    assert "geglu_mlp_kernel" not in launched
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        out = torch.empty(17, hidden, dtype=dtype, device=device)
+        fused_geglu.gemm.geglu_mlp_small(
+            torch.randn(17, hidden, dtype=dtype, device=device), *ps[:3], out, 1
+        )
+
+
+def test_mlp_one_launch_op_compiles(fused_geglu, device):
+    """The one-launch op's schema and fake, and torch.compile(fullgraph) over it; compiled
+    ``geglu_mlp`` takes the two kernels (the route's rule) with the same result."""
+    hidden, inter, dtype = 48, 80, torch.float16
+    x = torch.randn(1, 2, hidden, dtype=dtype, device=device)
+    ps = params(hidden, inter, dtype, device, True)
+    op = fused_geglu.library.geglu_mlp.op
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.library.opcheck(
+            op, (x, *ps, "tanh"), test_utils=("test_schema", "test_faketensor")
+        )
+        compiled_op = torch.compile(lambda x: op(x, *ps, "tanh"), fullgraph=True)(x)
+        compiled = torch.compile(fused_geglu.geglu_mlp, fullgraph=True)(x, *ps)
+        ref = eager_geglu_mlp(*cast([x, *ps], torch.float64))
+        eager = eager_geglu_mlp(x, *ps)
+    floor = reference.accumulation_floor(ref, inter)
+    assert_close_to_ref(compiled_op, ref, eager, floor=floor, what="compiled op")
+    assert_close_to_ref(compiled, ref, eager, floor=floor, what="compiled geglu_mlp")
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")
+def test_mlp_one_launch_cuda_graph(fused_geglu, device, monkeypatch):
+    """In a CUDA graph the route takes the two kernels; the one-launch op captured directly
+    (its own zeroed sums) replays to the eager call's result."""
+    hidden, inter, dtype = 256, 1024, torch.bfloat16
+    ps = params(hidden, inter, dtype, device, True)
+    x = torch.randn(1, hidden, dtype=dtype, device=device)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    with torch.no_grad():
+        expected = fused_geglu.geglu_mlp(x, *ps)
+        assert launched == ["geglu_mlp_kernel"]
+        launched.clear()
+        fused_geglu.library.geglu_mlp.op(x, *ps, "tanh")  # compiled before capture
+        fused_geglu.geglu_linear(x, *ps[:2], *ps[3:5])
+        launched.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            routed = fused_geglu.geglu_mlp(x, *ps)
+            out = fused_geglu.library.geglu_mlp.op(x, *ps, "tanh")
+        assert launched == ["gemm_kernel", "geglu_mlp_kernel"]
+        for _ in range(3):
+            out.zero_()
+            routed.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            # fp32 sums in another order: at most one bf16 unit apart
+            torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)
+            torch.testing.assert_close(routed, expected, atol=0, rtol=2**-7)
+    assert _scratch_is_zero(fused_geglu)
+
+
+def test_layers_one_launch(fused_geglu, device, monkeypatch):
+    """The layers take the one launch in inference at a few tokens, and keep the module's
+    forward where a dropout between activation and down projection is active (T5 in
+    training mode, here without autograd), with the module's result."""
+    from transformers import GemmaConfig, T5Config
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+    from transformers.models.t5.modeling_t5 import T5DenseGatedActDense
+
+    dtype = torch.float16
+    gemma = GemmaMLP(
+        GemmaConfig(
+            hidden_size=64, intermediate_size=96, hidden_act="gelu_pytorch_tanh"
+        )
+    )
+    t5 = T5DenseGatedActDense(
+        T5Config(d_model=64, d_ff=96, feed_forward_proj="gated-gelu", dropout_rate=0.5)
+    )
+    x = torch.randn(1, 3, 64, dtype=dtype, device=device)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    for module, layer in ((gemma, fused_geglu.layers.GeGLUMLP), (t5, fused_geglu.layers.T5GeGLUDense)):  # fmt: skip
+        module = module.to(device, dtype).eval()
+        with torch.no_grad():
+            out = layer.forward(module, x)
+            ref = copy.deepcopy(module).double()(x.double())
+            assert_close_to_ref(
+                out, ref, module(x), floor=reference.accumulation_floor(ref, 96)
+            )
+        assert launched == ["geglu_mlp_kernel"], type(module).__name__
+        launched.clear()
+    t5.train()
+    with torch.no_grad():
+        torch.manual_seed(0)
+        out = fused_geglu.layers.T5GeGLUDense.forward(t5, x)
+        torch.manual_seed(0)  # the same dropout mask
+        ref = t5(x)
+    assert "geglu_mlp_kernel" not in launched
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)

@@ -40,6 +40,11 @@ def geglu_linear_formula(x, w_gate, w_up, b_gate, b_up, approximate):
     return F.gelu(gate, approximate=approximate) * F.linear(x, w_up, b_up)
 
 
+def geglu_mlp_formula(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
+    h = geglu_linear_formula(x, w_gate, w_up, b_gate, b_up, approximate)
+    return F.linear(h, w_down, b_down)
+
+
 def transforms_active() -> bool:
     """Whether a torch.func transform or a forward-mode AD level is active (asked outside
     torch.compile only: Dynamo does not trace the query, and torch.compile over torch.func
@@ -179,3 +184,14 @@ def geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate: str) -> torch.Tenso
     return _call(
         GeGLULinear, geglu_linear_formula, library.geglu_linear, args, tensors, False
     )
+
+
+def geglu_mlp_inference(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
+    """The whole MLP in one launch, where autograd records nothing (the route's call: no
+    backward is defined for it); the PyTorch formula under torch.func transforms."""
+    args = (x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate)
+    if library.dispatched(x):
+        return library.geglu_mlp.op(*args)
+    if transforms_active():
+        return geglu_mlp_formula(*args)
+    return library.geglu_mlp.eager(*args)

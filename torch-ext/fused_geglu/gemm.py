@@ -7,6 +7,9 @@ Every entry point computes into ``c`` ([M, N]) from ``a`` ([M, K]) and weights i
   gemm_act(a, b, c, act)                 c = act(a @ b^T + bias), preact = a @ b^T + bias
   gemm_dact(a, z, b, c, act)             c = round(a * act'(z)) @ b^T;  bias_grad likewise
   gemm_gated(a, b_gate, b_up, c, act)    c = round(act(gate)) * up, gate/up = a @ b^T + bias
+  geglu_mlp_small(x, w_gate, w_up, w_down, out, act)
+                                         out = gemm_gated(x, ...) @ w_down^T + bias_down,
+                                         one launch, for at most MLP_MAX_TOKENS rows
 
 ``act`` is an activation code: GELU (exact) or GELU_TANH. Rounding points are eager's
 (gemm_kernels.py). Configurations are chosen in ``gemm_config`` from the shape class; a
@@ -20,7 +23,7 @@ import torch
 from triton.runtime.driver import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm_kernels import gemm_kernel, gemm_tma_kernel
+from .gemm_kernels import geglu_mlp_kernel, gemm_kernel, gemm_tma_kernel
 from .launch import INTERPRETED, BoundedCache, Launcher, cdiv, has_tma, num_programs
 
 NO_ACT, GELU, GELU_TANH = 0, 1, 2
@@ -461,4 +464,121 @@ def gemm_gated(
     _gemm(
         a, b_gate, c, epi, b_up=b_up, bias=bias_gate, bias_up=bias_up, preact=gate,
         preact_up=up,
+    )  # fmt: skip
+
+
+# --- The whole MLP in one launch (decode) ------------------------------------------------
+
+# The most tokens geglu_mlp_small takes: one 16-row tile; its fp32 atomics grow with the
+# tokens (benchmarks/NOTES.md).
+MLP_MAX_TOKENS = 16
+
+
+def mlp_config(H: int, I: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """geglu_mlp_kernel's tiles: one program per BLOCK_I intermediate columns, as many as
+    fit one wave of the GPU (Gemma-2B, I = 16384: 128 programs of 128 columns); the
+    H200 sweep's best (benchmarks/results/*-tune-decode.json)."""
+    if INTERPRETED:
+        return {
+            "BLOCK_I": 32,
+            "BLOCK_K": 32,
+            "BLOCK_N": 32,
+            "num_warps": 4,
+            "num_stages": 1,
+        }
+    block_i = 128 if cdiv(I, 128) >= num_programs(device) // 2 else 64
+    block_k = 128 if dtype != torch.float32 else 64
+    return {"BLOCK_I": block_i, "BLOCK_K": block_k, "BLOCK_N": 128, "num_warps": 8,
+            "num_stages": 3}  # fmt: skip
+
+
+# fp32 sums [M, H] and the arrival count per (device, stream), zero between launches (the
+# last program of each launch zeroes them).
+_MLP_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def mlp_scratch(device: torch.device, numel: int) -> tuple:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # A graph's own, zeroed by memset nodes (as split_k_scratch's counters).
+        return (
+            torch.zeros(numel, dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+        )
+    stream = (
+        driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
+    )
+    key = (device, stream)
+    scratch = _MLP_SCRATCH.get(key)
+    if scratch is None or scratch[0].numel() < numel:
+        arrivals = (
+            torch.zeros(1, dtype=torch.int32, device=device)
+            if scratch is None
+            else scratch[1]
+        )
+        scratch = torch.zeros(numel, dtype=torch.float32, device=device), arrivals
+        _MLP_SCRATCH[key] = scratch
+    return scratch
+
+
+_MLP_PLANS = BoundedCache(256)
+
+
+def geglu_mlp_small(
+    x: torch.Tensor,  # [M, H], M <= MLP_MAX_TOKENS
+    w_gate: torch.Tensor,  # [I, H]
+    w_up: torch.Tensor,  # [I, H]
+    w_down: torch.Tensor,  # [H, I]
+    out: torch.Tensor,  # [M, H]
+    activation: int,
+    *,
+    bias_gate: torch.Tensor | None = None,  # [I]
+    bias_up: torch.Tensor | None = None,  # [I]
+    bias_down: torch.Tensor | None = None,  # [H]
+) -> None:
+    """out = round(h @ w_down^T + bias_down), h = round(act(gate)) * up as gemm_gated's:
+    the whole GeGLU MLP in one launch (geglu_mlp_kernel). Its fp32 sums are added in an
+    order that varies between launches."""
+    M, H, stride_x = _rows(x)
+    I = w_gate.shape[0]
+    if M > MLP_MAX_TOKENS:
+        raise ValueError(
+            f"geglu_mlp_small takes at most {MLP_MAX_TOKENS} rows, got x of shape "
+            f"{tuple(x.shape)}"
+        )
+    if M == 0 or H == 0:
+        return
+    if I == 0:  # no intermediate columns: the down projection is its bias
+        out.copy_(
+            torch.zeros_like(out) if bias_down is None else bias_down.expand_as(out)
+        )
+        return
+    dtype, device = x.dtype, x.device
+    strides = (
+        *stride_x, *w_gate.stride(), *w_up.stride(), *w_down.stride(), *_rows(out)[2],
+        None if bias_gate is None else bias_gate.stride(0),
+        None if bias_up is None else bias_up.stride(0),
+        None if bias_down is None else bias_down.stride(0),
+    )  # fmt: skip
+    key = (M, H, I, dtype, device, activation, strides)
+    plan = _MLP_PLANS.get(key)
+    if plan is None:
+        cfg = mlp_config(H, I, dtype, device)
+        constexprs = {
+            "HAS_BIAS": bias_gate is not None,
+            "HAS_DOWN_BIAS": bias_down is not None,
+            "ACTIVATION": activation,
+            "EVEN_K": H % cfg["BLOCK_K"] == 0,
+            "INPUT_PRECISION": _input_precision(dtype),
+            "BLOCK_M": 16,
+            **cfg,
+        }
+        plan = _MLP_PLANS[key] = (
+            cdiv(I, cfg["BLOCK_I"]),
+            Launcher(geglu_mlp_kernel, constexprs),
+        )
+    sums, arrivals = mlp_scratch(device, M * H)
+    grid, launcher = plan
+    launcher(
+        grid, x, w_gate, w_up, w_down, bias_gate, bias_up, bias_down, out, sums,
+        arrivals, M, H, I, *strides,
     )  # fmt: skip

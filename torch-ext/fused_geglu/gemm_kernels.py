@@ -356,3 +356,121 @@ def gemm_tma_kernel(
         if ACCUMULATE:
             out = out.to(tl.float32) + c_desc.load([off_m, off_n]).to(tl.float32)
         c_desc.store([off_m, off_n], out.to(dtype))
+
+
+# M is specialised as in gemm_kernel; the intermediate size I and the hidden size H too.
+@triton.jit
+def geglu_mlp_kernel(
+    x_ptr,  # [M, H]
+    w_gate_ptr,  # [I, H]
+    w_up_ptr,  # [I, H]
+    w_down_ptr,  # [H, I]
+    bias_gate_ptr,  # [I] (HAS_BIAS)
+    bias_up_ptr,  # [I] (HAS_BIAS)
+    bias_down_ptr,  # [H] (HAS_DOWN_BIAS)
+    out_ptr,  # [M, H]
+    sums_ptr,  # fp32 [M, H], zero; left zero
+    arrivals_ptr,  # int32 [1], zero; left zero
+    M,
+    H,
+    I,
+    stride_xm,
+    stride_xk,
+    stride_gn,
+    stride_gk,
+    stride_un,
+    stride_uk,
+    stride_dn,
+    stride_dk,
+    stride_om,
+    stride_on,
+    stride_bias_gate,
+    stride_bias_up,
+    stride_bias_down,
+    HAS_BIAS: tl.constexpr,
+    HAS_DOWN_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    EVEN_K: tl.constexpr,  # H % BLOCK_K == 0
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # >= M: every token in one row tile
+    BLOCK_I: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The whole GeGLU MLP of a few tokens in one launch, for decode:
+        out = round(h @ W_down^T + b_down),  h = round(act(gate)) * up (gemm_kernel's GATED)
+    Program p owns the intermediate columns [p BLOCK_I, (p+1) BLOCK_I): it streams those
+    rows of W_gate and W_up, forms its slice of h in registers, multiplies it by the
+    matching columns of W_down and adds the [M, H] partial product into fp32 ``sums``
+    (atomics). The last program to arrive rounds the sums into ``out`` (with b_down) and
+    zeroes them again for the next launch. Every weight byte is read once, by one launch.
+    The order of the fp32 additions varies between launches (not bitwise reproducible)."""
+    dtype = out_ptr.dtype.element_ty
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_i = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_i = offs_i < I
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    g_ptrs = w_gate_ptr + offs_i[None, :] * stride_gn + offs_k[:, None] * stride_gk
+    u_ptrs = w_up_ptr + offs_i[None, :] * stride_un + offs_k[:, None] * stride_uk
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+    for k in range(tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            x_mask = mask_m[:, None]
+            w_mask = mask_i[None, :]
+        else:
+            k_mask = offs_k < H - k * BLOCK_K
+            x_mask = mask_m[:, None] & k_mask[None, :]
+            w_mask = mask_i[None, :] & k_mask[:, None]
+        a = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        acc_gate = _dot(
+            a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_gate, INPUT_PRECISION
+        )
+        acc_up = _dot(
+            a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_up, INPUT_PRECISION
+        )
+        x_ptrs += BLOCK_K * stride_xk
+        g_ptrs += BLOCK_K * stride_gk
+        u_ptrs += BLOCK_K * stride_uk
+    # Columns past I have zero weights and biases: h = gelu(0) * 0 = 0 there.
+    h = _epilogue(
+        acc_gate, acc_up, offs_m, offs_i, M, I, bias_gate_ptr, bias_up_ptr, stride_bias_gate,
+        stride_bias_up, None, None, dtype, HAS_BIAS, True, ACTIVATION, False,
+    )  # fmt: skip
+
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ptrs = w_down_ptr + offs_n[None, :] * stride_dn + offs_i[:, None] * stride_dk
+    sums_ptrs = sums_ptr + offs_m[:, None] * H + offs_n[None, :]
+    for n in range(tl.cdiv(H, BLOCK_N)):
+        mask_n = offs_n < H - n * BLOCK_N
+        w_down = tl.load(d_ptrs, mask=mask_i[:, None] & mask_n[None, :], other=0.0)
+        part = _dot(
+            h, w_down, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INPUT_PRECISION
+        )
+        tl.atomic_add(
+            sums_ptrs, part, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed"
+        )
+        d_ptrs += BLOCK_N * stride_dn
+        sums_ptrs += BLOCK_N
+    # Every thread's additions, then one release at GPU scope; the last program's acquire
+    # makes all of them visible to it.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        for n in range(tl.cdiv(H, BLOCK_N)):
+            cols = n * BLOCK_N + offs_n
+            mask = mask_m[:, None] & (cols < H)[None, :]
+            # The sums where the atomics left them (L2: .cg), then zeros for the next launch.
+            sums_tile = sums_ptr + offs_m[:, None] * H + cols[None, :]
+            total = tl.load(sums_tile, mask=mask, cache_modifier=".cg")
+            tl.store(
+                sums_tile, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=mask
+            )
+            if HAS_DOWN_BIAS:
+                bias = tl.load(bias_down_ptr + cols * stride_bias_down, mask=cols < H)
+                total += bias.to(tl.float32)[None, :]
+            out_offs = offs_m[:, None] * stride_om + cols[None, :] * stride_on
+            tl.store(out_ptr + out_offs, total.to(dtype), mask=mask)
+        tl.atomic_xchg(arrivals_ptr, 0)

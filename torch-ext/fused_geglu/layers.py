@@ -21,6 +21,7 @@ from .route import (
     fallback_reason,
     geglu_projections,
     input_reason,
+    mlp_output,
     module_route,
     project_down,
     warn_fallback,
@@ -82,6 +83,9 @@ class GeGLUMLP(nn.Module):
         route = _route(self, x, GEMMA_MLP)
         if route is None:
             return type(self).forward(self, x)
+        out = mlp_output(route, x)
+        if out is not None:
+            return out
         h, fused = geglu_projections(route, x, GEMMA_MLP)
         return project_down(route, h, fused)
 
@@ -107,6 +111,9 @@ class T5GeGLUDense(nn.Module):
         route = _route(self, hidden_states, T5_GATED_DENSE)
         if route is None:
             return type(self).forward(self, hidden_states)
+        out = mlp_output(route, hidden_states, self.dropout)
+        if out is not None:
+            return out
         hidden_states, fused = geglu_projections(route, hidden_states, T5_GATED_DENSE)
         hidden_states = self.dropout(hidden_states)
         # The original's condition, verbatim (transformers issue 20287).
@@ -136,6 +143,9 @@ class ModernBertGeGLUMLP(nn.Module):
         route = _route(self, hidden_states, MODERNBERT_MLP)
         if route is None:
             return type(self).forward(self, hidden_states)
+        out = mlp_output(route, hidden_states, self.drop)
+        if out is not None:
+            return out
         h, fused = geglu_projections(route, hidden_states, MODERNBERT_MLP)
         return project_down(route, self.drop(h), fused)
 

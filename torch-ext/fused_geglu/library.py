@@ -21,7 +21,16 @@ import torch
 from ._ops import add_op_namespace_prefix
 from .checks import PLAIN_TENSORS
 from .elementwise import as_rows, geglu_backward, geglu_forward
-from .gemm import GELU_TANH, NO_ACT, gelu_code, gemm, gemm_act, gemm_dact, gemm_gated
+from .gemm import (
+    GELU_TANH,
+    NO_ACT,
+    geglu_mlp_small,
+    gelu_code,
+    gemm,
+    gemm_act,
+    gemm_dact,
+    gemm_gated,
+)
 
 
 def _rows_operand(t: torch.Tensor) -> torch.Tensor:
@@ -306,4 +315,27 @@ geglu_linear_grad = KernelOp(
     " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     _geglu_linear_backward,
     _geglu_linear_backward_fake,
+)
+
+
+# --- The whole MLP in one launch (inference, few tokens) --------------------------------
+
+
+def _geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
+    out = _empty(x, *x.shape[:-1], w_down.shape[0])
+    geglu_mlp_small(
+        _rows_operand(x), w_gate, w_up, w_down, out, gelu_code(approximate),
+        bias_gate=b_gate, bias_up=b_up, bias_down=b_down,
+    )  # fmt: skip
+    return out
+
+
+geglu_mlp = KernelOp(
+    "geglu_mlp",
+    "(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, Tensor? b_gate, Tensor? b_up,"
+    " Tensor? b_down, str approximate) -> Tensor",
+    _geglu_mlp,
+    lambda x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate: _empty(
+        x, *x.shape[:-1], w_down.shape[0]
+    ),
 )

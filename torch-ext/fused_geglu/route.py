@@ -8,6 +8,12 @@ Measured on the H200 (benchmarks/NOTES.md):
 - down: after the dual GEMM, our GEMM where its tiles fill the GPU (the MLP is then two
   kernels); otherwise cuBLAS, which splits K. Under torch.compile always cuBLAS: a branch
   on the token count would recompile.
+- decode (at most MLP_MAX_TOKENS tokens, inference, where the dual GEMM runs), eager
+  calls: the whole MLP in one launch (gemm.geglu_mlp_small), at half the host time of the
+  two kernels and a few percent more GPU time. In a CUDA graph or under torch.compile the
+  host time is not spent per call, so the two kernels run there; and with
+  ``torch.use_deterministic_algorithms(True)``, since the one launch's fp32 sums are
+  atomic.
 
 A layer runs our kernels only where they reproduce the module's forward. Anywhere else it
 runs the module's own forward and warns once, naming the reason.
@@ -28,7 +34,7 @@ from torch import nn
 
 from . import autograd, library
 from .checks import PLAIN_TENSORS, SUPPORTED_DTYPES, is_dtensor, kernels_run_on
-from .gemm import tma_applies, tma_tiles_fill_gpu
+from .gemm import MLP_MAX_TOKENS, tma_applies, tma_tiles_fill_gpu
 from .launch import has_tma
 
 
@@ -42,6 +48,22 @@ def fuse_projections(x: torch.Tensor, training: bool) -> bool:
         has_tma(device)
         and not is_dtensor(x)
         and not torch.is_autocast_enabled(device.type)
+    )
+
+
+def mlp_in_one_launch(x: torch.Tensor) -> bool:
+    """Whether one launch computes the MLP of ``x`` where the dual GEMM would run (see the
+    module docstring): an eager call (not compiled, not captured in a CUDA graph: there no
+    host time is spent per call, and the two kernels take less GPU time), few tokens,
+    atomics allowed."""
+    if torch.compiler.is_compiling():
+        return False
+    hidden = x.shape[-1]
+    m = x.numel() // hidden if hidden else 0
+    return (
+        0 < m <= MLP_MAX_TOKENS
+        and not torch.are_deterministic_algorithms_enabled()
+        and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
     )
 
 
@@ -61,6 +83,10 @@ def geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
     """``down(gelu(gate(x)) * up(x))`` by the policy's route (arguments already checked)."""
     training = autograd.needs_grad(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     fused = fuse_projections(x, training)
+    if fused and mlp_in_one_launch(x):
+        return autograd.geglu_mlp_inference(
+            x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate
+        )
     if fused:
         h = autograd.geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate)
     else:
@@ -199,15 +225,17 @@ def _reference_classes(references: tuple[str, ...]) -> list[type]:
 
 @dataclass
 class ModuleRoute:
-    """What a layer reads from its module once: validated while ``signature`` is unchanged."""
+    """What a layer reads from its module once: valid while ``watched`` is unchanged."""
 
-    signature: tuple
+    watched: tuple
     fallback: str | None  # the reason to run the module's own forward
     approximate: str = "none"
     projections: tuple = ()  # the projection modules
     fusable: tuple | None = None  # their local (weight, bias) pairs for the dual GEMM
     down: nn.Module | None = None
     down_operands: tuple | None = None  # the down projection's (weight, bias)
+    # (w_gate, w_up, w_down, b_gate, b_up, b_down) for the MLP in one launch
+    mlp: tuple | None = None
     warned: set = field(default_factory=set)  # the reasons already warned of (eager)
 
 
@@ -230,28 +258,58 @@ def _plain_linear_operands(m: nn.Module) -> tuple | None:
     return None if is_dtensor(weight) else (weight, m._parameters["bias"])
 
 
-def _signature(module: nn.Module, family: Family) -> tuple:
-    """Identities of everything a route depends on (submodules, their parameters and data,
-    hooks, patched forwards): cheap dict reads, compared on every call."""
+def _watched(module: nn.Module, family: Family) -> tuple:
+    """Everything a route depends on: the module's class and, per submodule, the module,
+    its weight and the weight's data pointer (``module.to()`` swaps a parameter's data in
+    place: cached views would be stale), its bias, whether it has hooks, and an
+    instance-level (patched) forward. ``_unchanged`` compares them on every call."""
     mods = module._modules
-    signature = (type(module),)
+    children = []
     for name in family.children:
         m = mods.get(name)
         if m is None:
-            signature += (None,)
+            children.append((name, None, None, None, None, False, None))
             continue
         params = m._parameters
         weight = params.get("weight")
-        signature += (
-            id(m),
-            id(weight),
-            # a parameter's data swapped in place (module.to()): cached views are stale
-            weight.data_ptr() if type(weight) in PLAIN_TENSORS else None,
-            id(params.get("bias")),
-            bool(m._forward_hooks or m._forward_pre_hooks),
-            id(m.__dict__.get("forward")),
+        ptr = weight.data_ptr() if type(weight) in PLAIN_TENSORS else None
+        hooked = bool(m._forward_hooks or m._forward_pre_hooks)
+        children.append(
+            (
+                name,
+                m,
+                weight,
+                ptr,
+                params.get("bias"),
+                hooked,
+                m.__dict__.get("forward"),
+            )
         )
-    return signature
+    return type(module), tuple(children)
+
+
+def _unchanged(module: nn.Module, watched: tuple) -> bool:
+    """Whether ``_watched(module, ...)`` would equal ``watched``: identity tests and dict
+    reads, no new objects."""
+    cls, children = watched
+    if type(module) is not cls:
+        return False
+    mods = module._modules
+    for name, m, weight, ptr, bias, hooked, forward in children:
+        if mods.get(name) is not m:
+            return False
+        if m is None:
+            continue
+        params = m._parameters
+        if (
+            params.get("weight") is not weight
+            or params.get("bias") is not bias
+            or (ptr is not None and weight.data_ptr() != ptr)
+            or bool(m._forward_hooks or m._forward_pre_hooks) is not hooked
+            or m.__dict__.get("forward") is not forward
+        ):
+            return False
+    return True
 
 
 def _tp_colwise_shards(m: nn.Module) -> tuple | None:
@@ -303,14 +361,14 @@ def _linear_operands(m: nn.Module) -> tuple | None:
     return _plain_linear_operands(m) or _tp_colwise_shards(m)
 
 
-def _new_route(module: nn.Module, family: Family, signature: tuple) -> ModuleRoute:
+def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute:
     cls = type(module)
     missing = [name for name in family.children if name not in module._modules]
     if missing:
-        return ModuleRoute(signature, f"it has no submodule {', '.join(missing)}")
+        return ModuleRoute(watched, f"it has no submodule {', '.join(missing)}")
     if not family.reproduces(cls):
         return ModuleRoute(
-            signature,
+            watched,
             f"{cls.__module__}.{cls.__qualname__}.forward is not one that {family.name} "
             f"reproduces (it may do more than {family.name}'s computation)",
         )
@@ -320,11 +378,11 @@ def _new_route(module: nn.Module, family: Family, signature: tuple) -> ModuleRou
         approximate = gelu_approximation(act_fn) if act_fn is not None else None
         if approximate is None:
             return ModuleRoute(
-                signature, f"its activation {act_fn!r} is not a GeLU (exact or tanh)"
+                watched, f"its activation {act_fn!r} is not a GeLU (exact or tanh)"
             )
         if act_fn._forward_hooks or act_fn._forward_pre_hooks:
             return ModuleRoute(
-                signature, f"its activation {family.act} carries hooks, which must fire"
+                watched, f"its activation {family.act} carries hooks, which must fire"
             )
     projections = tuple(module._modules[name] for name in family.projections)
     operands = tuple(_linear_operands(p) for p in projections)
@@ -341,22 +399,32 @@ def _new_route(module: nn.Module, family: Family, signature: tuple) -> ModuleRou
             fusable = (w_gate, w_up, b_gate, b_up)
     down = module._modules[family.down] if family.down else None
     down_operands = _plain_linear_operands(down) if down is not None else None
+    mlp = None
+    if fusable is not None and down_operands is not None:
+        w_gate, w_up, b_gate, b_up = fusable
+        w_down, b_down = down_operands
+        if (
+            w_down.shape[1] == w_gate.shape[0]
+            and w_down.dtype is w_gate.dtype
+            and w_down.device == w_gate.device
+        ):
+            mlp = (w_gate, w_up, w_down, b_gate, b_up, b_down)
     return ModuleRoute(
-        signature, None, approximate, projections, fusable, down, down_operands
+        watched, None, approximate, projections, fusable, down, down_operands, mlp
     )
 
 
 def module_route(module: nn.Module, family: Family) -> ModuleRoute:
-    """The module's route, re-derived only when its signature changed; under torch.compile
-    derived while tracing (Dynamo guards on what it reads instead)."""
+    """The module's route, re-derived only when what it depends on changed; under
+    torch.compile derived while tracing (Dynamo guards on what it reads instead)."""
     if torch.compiler.is_compiling():
         return _new_route(module, family, ())
-    signature = _signature(module, family)
     route = _ROUTES.get(id(module))
-    if route is None or route.signature != signature:
+    if route is None or not _unchanged(module, route.watched):
         if route is None:
             weakref.finalize(module, _ROUTES.pop, id(module), None)
-        route = _ROUTES[id(module)] = _new_route(module, family, signature)
+        watched = _watched(module, family)
+        route = _ROUTES[id(module)] = _new_route(module, family, watched)
     return route
 
 
@@ -391,6 +459,35 @@ def warn_fallback(
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def mlp_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None = None):
+    """The module's output for ``x`` in one launch (``dropout``: the module's dropout
+    between the activation and the down projection, which must be the identity), or None
+    where the route does not take it."""
+    mlp = route.mlp
+    if mlp is None:
+        return None
+    w_gate = mlp[0]
+    if (
+        w_gate.dtype is not x.dtype
+        or x.shape[-1] != w_gate.shape[1]
+        or not mlp_in_one_launch(x)
+        or w_gate.device != x.device
+        or not fuse_projections(x, autograd.needs_grad(x, *mlp))
+        or not (dropout is None or _is_identity(dropout))
+    ):
+        return None
+    return autograd.geglu_mlp_inference(x, *mlp, route.approximate)
+
+
+def _is_identity(dropout: nn.Module) -> bool:
+    """An ``nn.Dropout`` that returns its input: in eval mode, or p = 0, with no hooks."""
+    return (
+        type(dropout) is nn.Dropout
+        and (not dropout.training or dropout.p == 0)
+        and not (dropout._forward_hooks or dropout._forward_pre_hooks)
+    )
 
 
 def geglu_projections(route: ModuleRoute, x: torch.Tensor, family: Family):

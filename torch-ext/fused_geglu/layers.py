@@ -56,9 +56,8 @@ DIFFUSERS_GEGLU = Family(
 )
 
 
-def _route(module: nn.Module, x: torch.Tensor, family: Family):
+def _checked_route(route, module: nn.Module, x: torch.Tensor, family: Family):
     """The module's route for ``x``, or None after warning that it runs its own forward."""
-    route = module_route(module, family)
     reason = fallback_reason(route, x)
     if reason is None:
         return route
@@ -80,12 +79,13 @@ class GeGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        route = _route(self, x, GEMMA_MLP)
-        if route is None:
-            return type(self).forward(self, x)
+        route = module_route(self, GEMMA_MLP)
         out = mlp_output(route, x)
         if out is not None:
             return out
+        route = _checked_route(route, self, x, GEMMA_MLP)
+        if route is None:
+            return type(self).forward(self, x)
         h, fused = geglu_projections(route, x, GEMMA_MLP)
         return project_down(route, h, fused)
 
@@ -108,12 +108,13 @@ class T5GeGLUDense(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states):
-        route = _route(self, hidden_states, T5_GATED_DENSE)
-        if route is None:
-            return type(self).forward(self, hidden_states)
+        route = module_route(self, T5_GATED_DENSE)
         out = mlp_output(route, hidden_states, self.dropout)
         if out is not None:
             return out
+        route = _checked_route(route, self, hidden_states, T5_GATED_DENSE)
+        if route is None:
+            return type(self).forward(self, hidden_states)
         hidden_states, fused = geglu_projections(route, hidden_states, T5_GATED_DENSE)
         hidden_states = self.dropout(hidden_states)
         # The original's condition, verbatim (transformers issue 20287).
@@ -140,12 +141,13 @@ class ModernBertGeGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        route = _route(self, hidden_states, MODERNBERT_MLP)
-        if route is None:
-            return type(self).forward(self, hidden_states)
+        route = module_route(self, MODERNBERT_MLP)
         out = mlp_output(route, hidden_states, self.drop)
         if out is not None:
             return out
+        route = _checked_route(route, self, hidden_states, MODERNBERT_MLP)
+        if route is None:
+            return type(self).forward(self, hidden_states)
         h, fused = geglu_projections(route, hidden_states, MODERNBERT_MLP)
         return project_down(route, self.drop(h), fused)
 
@@ -173,7 +175,9 @@ class GEGLU(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states, *args, **kwargs) -> torch.Tensor:
-        route = _route(self, hidden_states, DIFFUSERS_GEGLU)
+        route = _checked_route(
+            module_route(self, DIFFUSERS_GEGLU), self, hidden_states, DIFFUSERS_GEGLU
+        )
         if route is None:
             return type(self).forward(self, hidden_states, *args, **kwargs)
         if len(args) > 0 or kwargs.get("scale", None) is not None:

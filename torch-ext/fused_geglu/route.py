@@ -403,12 +403,20 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
     if fusable is not None and down_operands is not None:
         w_gate, w_up, b_gate, b_up = fusable
         w_down, b_down = down_operands
+        operands = (w_gate, w_up, w_down, b_gate, b_up, b_down)
+        # What fuse_projections asks of x, asked of the weights once: a call whose x has
+        # their dtype, device and a plain type needs no more.
         if (
             w_down.shape[1] == w_gate.shape[0]
-            and w_down.dtype is w_gate.dtype
-            and w_down.device == w_gate.device
-        ):
-            mlp = (w_gate, w_up, w_down, b_gate, b_up, b_down)
+            and w_gate.dtype in (torch.float16, torch.bfloat16)
+            and has_tma(w_gate.device)
+            and all(
+                t is None or (type(t) in PLAIN_TENSORS and t.dtype is w_gate.dtype
+                              and t.device == w_gate.device)
+                for t in operands
+            )
+        ):  # fmt: skip
+            mlp = operands
     return ModuleRoute(
         watched, None, approximate, projections, fusable, down, down_operands, mlp
     )
@@ -464,21 +472,27 @@ def warn_fallback(
 def mlp_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None = None):
     """The module's output for ``x`` in one launch (``dropout``: the module's dropout
     between the activation and the down projection, which must be the identity), or None
-    where the route does not take it."""
+    where the route does not take it: the layers' fast path, asked first. ``route.mlp``
+    holds only weights the dual GEMM takes, so an ``x`` of their dtype and device, of a
+    plain type, outside autocast and torch.func transforms, meets the rest of
+    ``fuse_projections`` and ``input_reason``."""
     mlp = route.mlp
     if mlp is None:
         return None
     w_gate = mlp[0]
     if (
-        w_gate.dtype is not x.dtype
+        type(x) is not torch.Tensor
+        or x.dtype is not w_gate.dtype
         or x.shape[-1] != w_gate.shape[1]
+        or x.device != w_gate.device
+        or (torch.is_grad_enabled() and autograd.needs_grad(x, *mlp))
         or not mlp_in_one_launch(x)
-        or w_gate.device != x.device
-        or not fuse_projections(x, autograd.needs_grad(x, *mlp))
+        or torch.is_autocast_enabled(x.device.type)
+        or autograd.transforms_active()
         or not (dropout is None or _is_identity(dropout))
     ):
         return None
-    return autograd.geglu_mlp_inference(x, *mlp, route.approximate)
+    return library.geglu_mlp.eager(x, *mlp, route.approximate)
 
 
 def _is_identity(dropout: nn.Module) -> bool:

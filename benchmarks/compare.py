@@ -104,7 +104,7 @@ def mlp(ours, ceil, later):
     for tokens in (1, 16, 64, 8192):
         x = torch.randn(tokens, hidden, dtype=BF16, device="cuda")
         small = tokens <= lib.GRAPH_TOKENS
-        calls = {name: (lambda fn=fn: fn(x)) for name, fn in peers.items()}
+        calls = {name: (lambda fn=fn, x=x: fn(x)) for name, fn in peers.items()}
         with torch.no_grad():
             row = {
                 name: {"ms": lib.bench_ms(c, graph=small)} for name, c in calls.items()

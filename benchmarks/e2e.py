@@ -7,6 +7,8 @@ the GPU drained before and after each call; medians):
 - greedy generate() of --new-tokens tokens from a --prompt-tokens prompt with the default
   cache, and with cache_implementation="static": ms per new token (the prompt's prefill
   included).
+Each row has the speed-up of the medians and the median of each round's speed-up (the
+host's drift between rounds cancels in the latter).
 The warm-up's greedy tokens of the kernelized model are compared with eager's. Writes the
 environment and every row as JSON to benchmarks/results/<date>-<gpu>-e2e.json or --out.
 
@@ -44,7 +46,19 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--prompt-tokens", type=int, default=16, help="for generate()")
     parser.add_argument("--new-tokens", type=int, default=64, help="for generate()")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
+    parser.add_argument(
+        "--free-mlp",
+        action="store_true",
+        help="also time a copy whose MLPs cost nothing but an allocation and a memset: "
+        "the most any MLP kernel could gain in this loop",
+    )
+    parser.add_argument(
+        "--two-kernels",
+        action="store_true",
+        help="also time the kernelized model with the one-launch decode MLP turned off "
+        "(the dual GEMM and cuBLAS, as under torch.compile)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     sizes = ("layers", "prefill_tokens", "prompt_tokens", "new_tokens", "rounds")
@@ -87,6 +101,30 @@ def build_models(layers: int, max_tokens: int):
     return eager, ours
 
 
+class two_kernel_route:
+    """A kernelized model whose calls run with the route's one-launch threshold at 0."""
+
+    def __init__(self, model):
+        self.model = model
+        layer_forward = next(
+            m.forward for m in model.modules() if hasattr(m, "gate_proj")
+        )
+        self.route = layer_forward.__func__.__globals__["mlp_output"].__globals__
+
+    def __call__(self, *args, **kwargs):
+        return self._off(self.model, *args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self._off(self.model.generate, *args, **kwargs)
+
+    def _off(self, fn, *args, **kwargs):
+        limit, self.route["MLP_MAX_TOKENS"] = self.route["MLP_MAX_TOKENS"], 0
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.route["MLP_MAX_TOKENS"] = limit
+
+
 def tasks(model, args, prefill_ids, prompt_ids) -> dict:
     """{task: call} for one model; generate's calls return the generated tokens."""
 
@@ -119,11 +157,19 @@ def run(args) -> dict:
     env = lib.environment(ours_kernel)
     max_tokens = max(args.prefill_tokens, args.prompt_tokens + args.new_tokens)
     eager, ours = build_models(args.layers, max_tokens)
+    models = [("eager", eager), ("ours", ours)]
+    if args.two_kernels:
+        models.append(("ours_two_kernels", two_kernel_route(ours)))
+    if args.free_mlp:
+        free = copy.deepcopy(eager)
+        for m in free.model.layers:
+            m.mlp.forward = torch.zeros_like
+        models.append(("free_mlp", free))
     vocab = GEMMA_2B["vocab_size"]
     prefill_ids = torch.randint(0, vocab, (1, args.prefill_tokens), device="cuda")
     prompt_ids = torch.randint(0, vocab, (1, args.prompt_tokens), device="cuda")
     calls = {}
-    for name, model in (("eager", eager), ("ours", ours)):
+    for name, model in models:
         for task, call in tasks(model, args, prefill_ids, prompt_ids).items():
             calls[f"{task}/{name}"] = call
     # The static cache compiles the step; both models share its code objects, and each
@@ -138,10 +184,15 @@ def run(args) -> dict:
     for task in ("prefill", "generate", "generate_static_cache"):
         per = 1 if task == "prefill" else args.new_tokens
         row = {"task": task, "unit": "ms" if per == 1 else "ms per new token"}
-        for name in ("eager", "ours"):
+        for name, _ in models:
             rounds = [t / per for t in times[f"{task}/{name}"]]
             row |= {f"{name}_ms": statistics.median(rounds), f"{name}_rounds": rounds}
-        row["speedup"] = row["eager_ms"] / row["ours_ms"]
+        for name, _ in models[1:]:
+            key = "speedup" if name == "ours" else f"{name}_speedup"
+            row[key] = row["eager_ms"] / row[f"{name}_ms"]
+            # Each round's eager/other ratio: the host's drift between rounds cancels.
+            pairs = zip(row["eager_rounds"], row[f"{name}_rounds"])
+            row[f"{key}_median_of_rounds"] = statistics.median(e / o for e, o in pairs)
         if task != "prefill":
             eager_tokens, our_tokens = warm[f"{task}/eager"], warm[f"{task}/ours"]
             row["tokens_equal_eager"] = bool(torch.equal(eager_tokens, our_tokens))

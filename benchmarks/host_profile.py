@@ -7,7 +7,9 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import sys
+import time
 
 import bench_lib as lib  # first: it picks the interpreter without a GPU
 import torch
@@ -23,6 +25,39 @@ def profile(fn, top: int) -> str:
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
+
+
+def mlp_us_in_generate(models: dict, ids, gen: dict, rounds: int = 5) -> dict:
+    """Host µs per MLP call inside greedy ``generate()`` (each layer's MLP timed where it
+    is called: the caches and branch predictors as the model loop leaves them), per model,
+    in interleaved rounds; medians."""
+    spent = {}
+
+    def timed(name, forward):
+        def call(x):
+            start = time.perf_counter()
+            out = forward(x)
+            spent[name].append(time.perf_counter() - start)
+            return out
+
+        return call
+
+    saved = {}  # kernelize installs a layer's forward on the instance
+    for name, model in models.items():
+        for layer in model.model.layers:
+            saved[layer.mlp] = layer.mlp.__dict__.get("forward")
+            layer.mlp.forward = timed(name, layer.mlp.forward)
+    per_round = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            spent[name] = []
+            model.generate(ids, **gen)
+            per_round[name].append(statistics.median(spent[name]) * 1e6)
+    for mlp, forward in saved.items():
+        del mlp.forward
+        if forward is not None:
+            mlp.forward = forward
+    return {name: statistics.median(us) for name, us in per_round.items()}
 
 
 def main(argv=None) -> int:
@@ -45,6 +80,8 @@ def main(argv=None) -> int:
             {"eager_mlp": lambda: mlp_eager(x), "ours_mlp": lambda: mlp_ours(x)}
         )
         print({name: round(v, 1) for name, v in us.items()})
+        in_loop = mlp_us_in_generate({"eager": eager, "ours": ours}, ids, gen)
+        print("MLP host us per call inside generate():", in_loop)
         for name, model in (("eager", eager), ("ours", ours)):
             print(f"--- {name}: generate({args.new_tokens} tokens), by own time")
             print(profile(lambda m=model: m.generate(ids, **gen), args.top))

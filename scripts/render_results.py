@@ -286,15 +286,14 @@ def newest(kind: str) -> Path | None:
 
 
 def summary_section(compare: Path, result: dict) -> list[str]:
-    """README's block: each family's layer against eager, and the Gemma MLP forward
-    against every peer over token counts."""
+    """README's block: each family's layer against eager (the Gemma MLP forward against
+    every peer is in docs/results.md)."""
     env, families = result["env"], newest("families")
     sources = f"`{compare.relative_to(ROOT)}`"
     sources += f" and `{families.relative_to(ROOT)}`" if families else ""
     lines = paragraph(
-        f"One {env['gpu']}, {env['date']}, torch {env['torch']}, Triton {env['triton']}, "
-        f"bf16 inference, medians of `triton.testing.do_bench`. Source: {sources}; "
-        f"every table and the method are in [docs/results.md](docs/results.md)."
+        f"One {env['device']}, {env['date']}, torch {env['torch']}, Triton {env['triton']}, "
+        f"bf16 inference. Source: {sources}; all tables: [docs/results.md](docs/results.md)."
     )
     if families:
         rows = [
@@ -304,16 +303,74 @@ def summary_section(compare: Path, result: dict) -> list[str]:
         ]  # fmt: skip
         head = ["feed-forward (GPU time, CUDA-graph replay)", "tokens x hidden"]
         lines += table(head + ["eager ms", "fused-geglu ms", "speed-up"], rows) + [""]
-    mlp = result["mlp"]
-    title = f"hidden {mlp['hidden']}, intermediate {mlp['intermediate']}"
-    lines += [f"Gemma-2B MLP forward, ms ({title}):", ""]
-    return lines + mlp_forward_table(mlp, "ms", ms)
+    return lines
+
+
+E2E_MODELS = {
+    "ours_two_kernels": "fused-geglu, two kernels at decode",
+    "free_mlp": "MLPs of zero cost (the ceiling)",
+}
+# gemm.mlp_config's choice, as tune.py's decode sweep names it.
+DECODE_CONFIG = "(128, 128, 128, 8, 3)"
+E2E_TASKS = {
+    "prefill": "prefill, ms",
+    "generate": "`generate()`, default cache, ms per token",
+    "generate_static_cache": "`generate()`, static cache (compiled step), ms per token",
+}
+
+
+def e2e_section(path: Path, result: dict) -> list[str]:
+    """The end-to-end rows: eager against kernelized, and the other models of the run."""
+    model, args = result["model"], result["args"]
+    others = [k[: -len("_ms")] for k in result["rows"][0] if k.endswith("_ms")]
+    others = [name for name in others if name not in ("eager", "ours")]
+    lines = paragraph(
+        f"Gemma-2B-shaped model ({model['num_hidden_layers']} layers, bf16), eager and "
+        f"kernelized, {args['rounds']} interleaved rounds (`{path.relative_to(ROOT)}`; "
+        f"method in docs/results.md):"
+    )
+    head = ["", "eager", "fused-geglu", "speed-up", "per round", "tokens equal"]
+    head += [f"{E2E_MODELS.get(name, name)}: speed-up" for name in others]
+    rows = []
+    for row in result["rows"]:
+        equal = row.get("tokens_equal_eager")
+        rows.append(
+            [E2E_TASKS[row["task"]], f"{row['eager_ms']:.2f}", f"{row['ours_ms']:.2f}",
+             f"{row['speedup']:.3f}x", f"{row['speedup_median_of_rounds']:.3f}x",
+             "-" if equal is None else ("yes" if equal else "no")]
+            + [f"{row[f'{name}_speedup']:.3f}x" for name in others]
+        )  # fmt: skip
+    return lines + table(head, rows) + [""]
+
+
+def decode_section(path: Path, result: dict) -> list[str]:
+    """The decode MLP's GPU time in one kernel (eager calls) and in two (CUDA graphs,
+    torch.compile), from tune.py's decode sweep: the configuration the table uses."""
+    rows = []
+    for tokens, row in result["decode_mlp"].items():
+        one = row[DECODE_CONFIG]
+        rows.append([tokens, ms(one), ms(row["two_kernels"]), ms(row["eager"])])
+    lines = paragraph(
+        f"Gemma-2B decode MLP, GPU ms (`{path.relative_to(ROOT)}`): eager calls run one "
+        f"kernel (half the host time), CUDA graphs and torch.compile two:"
+    )
+    head = [
+        "tokens",
+        "one kernel (eager calls)",
+        "two kernels (graphs, compile)",
+        "eager",
+    ]
+    return lines + table(head, rows) + [""]
 
 
 def render_summary() -> str:
     """README.md's text between the markers."""
     compare = max(RESULTS.glob("*-compare.json"))
-    lines = summary_section(compare, json.loads(compare.read_text()))
+    lines = summary_section(compare, load(compare))
+    if path := newest("tune-decode"):
+        lines += decode_section(path, load(path))
+    if path := newest("e2e"):
+        lines += e2e_section(path, load(path))
     return "\n".join(lines) + "\n"
 
 
@@ -321,7 +378,9 @@ def render() -> str:
     """docs/results.md's text between the markers: every table."""
     compare = max(RESULTS.glob("*-compare.json"))
     lines = compare_section(compare, load(compare))
-    sections = {"families": families_section, "distributed": distributed_section}
+    sections = {"tune-decode": decode_section, "e2e": e2e_section}
+    sections |= {"families": families_section}
+    sections |= {"distributed": distributed_section}
     for kind, section in sections.items():
         if path := newest(kind):
             lines += section(path, load(path))

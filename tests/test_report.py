@@ -399,12 +399,25 @@ def test_results_check_command():
 
 
 def test_summary_numbers_come_from_json():
-    """The README's summary quotes the families and MLP rows of the committed JSON."""
+    """The README's summary quotes the families, decode and end-to-end rows of the
+    committed JSON."""
     summary = render.render_summary()
     families = json.loads(render.newest("families").read_text())["families"]
     for name, row in families.items():
         assert f"| {name} |" in summary and render.ms(row["ours_ms"]) in summary
-    assert "Gemma-2B MLP forward" in summary
+    decode = json.loads(render.newest("tune-decode").read_text())["decode_mlp"]
+    for tokens, row in decode.items():
+        cells = (
+            tokens,
+            render.ms(row[render.DECODE_CONFIG]),
+            render.ms(row["two_kernels"]),
+        )
+        assert f"| {' | '.join(cells)} |" in summary
+    for row in json.loads(render.newest("e2e").read_text())["rows"]:
+        assert (
+            f"| {row['eager_ms']:.2f} | {row['ours_ms']:.2f} | {row['speedup']:.3f}x |"
+            in summary
+        )
 
 
 def test_one_block_per_file():

@@ -146,6 +146,8 @@ def test_opcheck(fused_geglu, device):
         torch.library.opcheck(
             library.geglu_grad.op, (dout, gate.detach(), up.detach(), approximate)
         )
+        g, u = gate.detach().clone(), up.detach().clone()
+        torch.library.opcheck(library.geglu_grad_in_place.op, (dout, g, u, approximate))
     x = torch.randn(4, 66, device=device)
     torch.library.opcheck(
         fused_geglu.library.gelu_and_mul.op,

@@ -114,3 +114,101 @@ def test_gelu_and_mul_refuses_grad(fused_geglu, device):
     with torch.no_grad():
         fused_geglu.gelu_and_mul(out, x)
     torch.testing.assert_close(out, F.gelu(x[:, :4]) * x[:, 4:], rtol=1e-5, atol=1e-6)
+
+
+def _spy_activation_backward(fused_geglu, monkeypatch) -> list[str]:
+    """Names the activation backward each call took: "in place" or "allocated"."""
+    library, taken = fused_geglu.library, []
+    in_place, allocated = library.geglu_grad_in_place.eager, library.geglu_grad.eager
+
+    def spy(name, fn):
+        return lambda *args: taken.append(name) or fn(*args)
+
+    monkeypatch.setattr(library.geglu_grad_in_place, "eager", spy("in place", in_place))
+    monkeypatch.setattr(library.geglu_grad, "eager", spy("allocated", allocated))
+    return taken
+
+
+@pytest.mark.parametrize("family", ["gemma", "modernbert"])
+def test_layer_activation_backward_writes_over_gate_and_up(fused_geglu, device, monkeypatch, family):  # fmt: skip
+    """In a layer's training step the activation's backward writes dgate and dup over the
+    projections' outputs, which only it holds (no allocation), with eager's gradients;
+    a retained graph keeps them (allocating), so its second backward gives the same."""
+    from transformers import GemmaConfig, ModernBertConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+    from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
+
+    if family == "gemma":
+        config = GemmaConfig(hidden_size=32, intermediate_size=48, hidden_act="gelu_pytorch_tanh")  # fmt: skip
+        module, layer = GemmaMLP(config), fused_geglu.layers.GeGLUMLP
+    else:
+        config = ModernBertConfig(hidden_size=32, intermediate_size=48, mlp_dropout=0.0)
+        module, layer = ModernBertMLP(config), fused_geglu.layers.ModernBertGeGLUMLP
+    module = module.to(device)
+    ours = copy.deepcopy(module)
+    ours.forward = layer.forward.__get__(ours)
+    x = torch.randn(3, 4, 32, device=device, requires_grad=True)
+    taken = _spy_activation_backward(fused_geglu, monkeypatch)
+
+    def grads(m, **kwargs):
+        x.grad = None
+        m.zero_grad()
+        out = m(x)
+        out.square().sum().backward(**kwargs)
+        return out, [x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+
+    out_eager, expected = grads(module)
+    out, got = grads(ours)
+    assert taken == ["in place"]
+    torch.testing.assert_close(out, out_eager)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    taken.clear()
+    x.grad = None
+    ours.zero_grad()
+    loss = ours(x).square().sum()
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    x.grad = None
+    loss.backward()
+    assert taken == ["allocated", "in place"]
+    torch.testing.assert_close(x.grad, first)
+
+
+def test_geglu_backward_keeps_the_callers_tensors(fused_geglu, device, monkeypatch):
+    """``geglu`` on the caller's tensors allocates its gradients: gate and up keep their
+    values after backward."""
+    gate = torch.randn(4, 6, device=device, requires_grad=True)
+    up = torch.randn(4, 6, device=device, requires_grad=True)
+    g, u = gate * 1, up * 1  # non-leaf, as a layer's projections
+    before = g.detach().clone(), u.detach().clone()
+    taken = _spy_activation_backward(fused_geglu, monkeypatch)
+    fused_geglu.geglu(g, u, "tanh").sum().backward()
+    assert taken == ["allocated"]
+    assert torch.equal(g, before[0]) and torch.equal(u, before[1])
+
+
+def test_owned_activation_backward_never_reads_overwritten_data(fused_geglu, device):
+    """Whoever else saved an owned gate for its backward either ran first (and saw the
+    original values) or meets PyTorch's in-place error: the version counter was bumped.
+    Also the version counters move, so the overwrite is visible to autograd."""
+    autograd = fused_geglu.autograd
+    x = torch.randn(4, 6, device=device, requires_grad=True)
+    gate, up = x * 2, x * 3
+    version = gate._version
+    h = autograd.geglu(gate, up, "tanh", owned=True)
+    h.sum().backward()
+    assert gate._version > version and up._version > version
+    x.grad = None
+    gate, up = x * 2, x * 3
+    h = autograd.geglu(gate, up, "tanh", owned=True)
+    s = gate.sin()  # saves gate for its backward
+    try:
+        (h.sum() + s.sum()).backward()
+    except RuntimeError as error:
+        assert "modified by an inplace operation" in str(error)
+    else:
+        ref = x.detach().requires_grad_()
+        g_ref, u_ref = ref * 2, ref * 3
+        (F.gelu(g_ref, approximate="tanh") * u_ref + g_ref.sin()).sum().backward()
+        torch.testing.assert_close(x.grad, ref.grad)

@@ -143,8 +143,8 @@ def geglu_bwd_kernel(
     dout_ptr,  # [M, N]
     gate_ptr,  # [M, N]
     up_ptr,  # [M, N]
-    dgate_ptr,  # [M, N], contiguous
-    dup_ptr,  # [M, N], contiguous
+    dgate_ptr,  # [M, N]: a new tensor, or gate itself (in place: each element is read
+    dup_ptr,  # [M, N]: ... before it is written, by the same program), likewise up
     M,
     N,
     stride_dm,
@@ -153,6 +153,10 @@ def geglu_bwd_kernel(
     stride_gn,
     stride_um,
     stride_un,
+    stride_dgm,
+    stride_dgn,
+    stride_dum,
+    stride_dun,
     APPROX_TANH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -168,7 +172,12 @@ def geglu_bwd_kernel(
     offs_u, _ = _tile_offsets(
         pid_m, pid_n, M, N, stride_um, stride_un, BLOCK_M, BLOCK_N, INT64
     )
-    offs_o, _ = _tile_offsets(pid_m, pid_n, M, N, N, 1, BLOCK_M, BLOCK_N, INT64)
+    offs_dg, _ = _tile_offsets(
+        pid_m, pid_n, M, N, stride_dgm, stride_dgn, BLOCK_M, BLOCK_N, INT64
+    )
+    offs_du, _ = _tile_offsets(
+        pid_m, pid_n, M, N, stride_dum, stride_dun, BLOCK_M, BLOCK_N, INT64
+    )
     dtype = dgate_ptr.dtype.element_ty
     dout = tl.load(dout_ptr + offs_d, mask=mask, eviction_policy="evict_first").to(
         tl.float32
@@ -184,5 +193,5 @@ def geglu_bwd_kernel(
     dup = dout * act
     dact = (dout * up).to(dtype).to(tl.float32)
     dgate = dact * gelu_grad(gate, APPROX_TANH)
-    tl.store(dgate_ptr + offs_o, dgate.to(dtype), mask=mask)
-    tl.store(dup_ptr + offs_o, dup.to(dtype), mask=mask)
+    tl.store(dgate_ptr + offs_dg, dgate.to(dtype), mask=mask)
+    tl.store(dup_ptr + offs_du, dup.to(dtype), mask=mask)

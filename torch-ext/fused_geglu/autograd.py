@@ -62,12 +62,26 @@ def _differentiable_grads(formula, inputs: tuple, needs: tuple, grad_out):
     return tuple(next(grads) if need else None for need in needs)
 
 
+# Whether the running backward keeps the graph (retain_graph=True); private in torch,
+# hence asked for with a default: without it, saved tensors are assumed to be kept.
+_keeps_graph = getattr(
+    torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True
+)
+
+
 class GeGLU(torch.autograd.Function):
+    """``owned``: gate and up are the caller's temporaries, which no one else reads (a
+    layer's own projections). Backward then writes dgate and dup over them, where they
+    die with this backward (an eager one that does not retain the graph), and bumps their
+    version counters: any other saved use of them raises PyTorch's in-place error
+    instead of reading gradients. The activation's backward then allocates nothing."""
+
     @staticmethod
-    def forward(ctx, gate, up, approximate):
+    def forward(ctx, gate, up, approximate, owned):
         # gelu(gate) is recomputed in backward: only the inputs are kept alive.
         ctx.save_for_backward(gate, up)
         ctx.approximate = approximate
+        ctx.owned = owned
         return library.geglu(gate, up, approximate)
 
     @staticmethod
@@ -77,8 +91,13 @@ class GeGLU(torch.autograd.Function):
         if torch.is_grad_enabled():
             inputs = (gate, up, ctx.approximate)
             return _differentiable_grads(geglu_formula, inputs, needs, dout)
-        dgate, dup = library.geglu_grad(dout, gate, up, ctx.approximate)
-        return dgate if needs[0] else None, dup if needs[1] else None, None
+        if ctx.owned and not library.dispatched(dout) and not _keeps_graph():
+            library.geglu_grad_in_place.eager(dout, gate, up, ctx.approximate)
+            torch.autograd.graph.increment_version((gate, up))
+            dgate, dup = gate, up
+        else:
+            dgate, dup = library.geglu_grad(dout, gate, up, ctx.approximate)
+        return dgate if needs[0] else None, dup if needs[1] else None, None, None
 
 
 class Linear(torch.autograd.Function):
@@ -147,20 +166,22 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     )
 
 
-def _call(function, formula, op, args: tuple, tensors: tuple, store_preact=None):
+def _call(function, formula, op, args: tuple, tensors: tuple, store_preact=None,
+          function_args: tuple = ()):  # fmt: skip
     """One public function's call: the autograd Function where autograd records it, else
     the kernel op (dispatched, or its body in eager); the PyTorch formula under torch.func
     transforms and forward-mode AD. ``store_preact``: the op's last argument (False: the
-    forward's intermediates are not kept) for ops that return them after the output."""
+    forward's intermediates are not kept) for ops that return them after the output.
+    ``function_args``: the Function's arguments after the op's."""
     grad = needs_grad(*tensors)
     if not library.dispatched(args[0]):
         if transforms_active():
             return formula(*args)
         if grad:
-            return function.apply(*args)
+            return function.apply(*args, *function_args)
         run = op.eager
     elif grad:
-        return function.apply(*args)
+        return function.apply(*args, *function_args)
     else:
         run = op.op
     if store_preact is None:
@@ -168,9 +189,12 @@ def _call(function, formula, op, args: tuple, tensors: tuple, store_preact=None)
     return run(*args, store_preact)[0]
 
 
-def geglu(gate, up, approximate: str) -> torch.Tensor:
+def geglu(gate, up, approximate: str, owned: bool = False) -> torch.Tensor:
+    """``owned``: see GeGLU."""
     args = (gate, up, approximate)
-    return _call(GeGLU, geglu_formula, library.geglu, args, (gate, up))
+    return _call(
+        GeGLU, geglu_formula, library.geglu, args, (gate, up), function_args=(owned,)
+    )
 
 
 def linear(x, weight, bias, activation: int) -> torch.Tensor:

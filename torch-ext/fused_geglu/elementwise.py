@@ -116,23 +116,33 @@ def geglu_forward(
 
 
 def geglu_backward(
-    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str
+    dout: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    approximate: str,
+    dgate: torch.Tensor | None = None,
+    dup: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d gate, d up) of out = gelu(gate) * up, both contiguous and shaped like ``gate``."""
-    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    dup = torch.empty_like(dgate)
+    """(d gate, d up) of out = gelu(gate) * up: into ``dgate`` and ``dup`` when given (any
+    views of gate's shape, ``gate`` and ``up`` themselves included: in place), else into
+    new contiguous tensors shaped like ``gate``."""
+    if dgate is None:
+        dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        dup = torch.empty_like(dgate)
     if gate.numel() == 0:
         return dgate, dup
     tanh = approximate == "tanh"
-    if dout.is_contiguous() and gate.is_contiguous() and up.is_contiguous():
-        rows = (dout, gate, up, dgate)
-        launcher, grid, ints = _plan(geglu_bwd_kernel, tanh, rows, True)
-        launcher(grid, dout, gate, up, dgate, dup, *ints[:8])
+    operands = (dout, gate, up, dgate, dup)
+    if all(t.is_contiguous() for t in operands):
+        launcher, grid, ints = _plan(geglu_bwd_kernel, tanh, operands, True)
+        launcher(grid, *operands, *ints)
         return dgate, dup
-    d, g, u = as_rows(dout), as_rows(gate), as_rows(up)
-    # dgate's view joins the plan for the int64 decision: the outputs are contiguous.
-    launcher, grid, ints = _plan(
-        geglu_bwd_kernel, tanh, (d, g, u, dgate.view(g.shape)), False
+    rows = tuple(as_rows(t) for t in operands[:3]) + tuple(
+        _rows_view(t) for t in operands[3:]
     )
-    launcher(grid, d, g, u, dgate, dup, *ints[:8])
+    if None in rows:  # an output whose rows no 2-D view describes
+        d, u = geglu_backward(dout, gate, up, approximate)
+        return dgate.copy_(d), dup.copy_(u)
+    launcher, grid, ints = _plan(geglu_bwd_kernel, tanh, rows, False)
+    launcher(grid, *rows, *ints)
     return dgate, dup

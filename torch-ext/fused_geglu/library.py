@@ -122,6 +122,21 @@ geglu_grad = KernelOp(
 )
 
 
+
+def _geglu_backward_in_place(dout, gate, up, approximate):
+    geglu_backward(dout, gate, up, approximate, gate, up)
+
+
+# Overwrites gate and up with their gradients: for a backward that owns them (autograd.py).
+geglu_grad_in_place = KernelOp(
+    "geglu_backward_in_place",
+    "(Tensor dout, Tensor(a!) gate, Tensor(b!) up, str approximate) -> ()",
+    _geglu_backward_in_place,
+    lambda dout, gate, up, approximate: None,
+    mutates_args=("gate", "up"),
+)
+
+
 def _gelu_and_mul(out, x, approximate):
     d = x.shape[-1] // 2
     geglu_forward(x[..., :d], x[..., d:], out, approximate)

@@ -91,7 +91,7 @@ def geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
         h = autograd.geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate)
     else:
         gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
-        h = autograd.geglu(gate, up, approximate)
+        h = autograd.geglu(gate, up, approximate, owned=True)
     return down_projection(h, w_down, b_down, fused)
 
 
@@ -526,13 +526,22 @@ def geglu_projections(route: ModuleRoute, x: torch.Tensor, family: Family):
     else:
         halves = route.projections[0](x).chunk(2, dim=-1)
         gate, up = halves[family.gate_half], halves[1 - family.gate_half]
-    return activation(gate, up, route.approximate), False
+    # Plain nn.Linear projections without hooks hand their outputs to no one else (a
+    # global forward hook could): the activation's backward may overwrite them.
+    owned = route.fusable is not None and not _GLOBAL_FORWARD_HOOKS
+    return activation(gate, up, route.approximate, owned), False
 
 
-def activation(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
+_GLOBAL_FORWARD_HOOKS = nn.modules.module._global_forward_hooks
+
+
+def activation(
+    gate: torch.Tensor, up: torch.Tensor, approximate: str, owned: bool = False
+) -> torch.Tensor:
     """``gelu(gate) * up`` for the projections' outputs: our kernel where it computes
     exactly that (one shape, dtype and device it runs on; DTensors of one shape through
-    their sharding rule), else eager's formula (broadcasting, mixed or other dtypes)."""
+    their sharding rule), else eager's formula (broadcasting, mixed or other dtypes).
+    ``owned``: autograd.GeGLU's."""
     plain = type(gate) in PLAIN_TENSORS and type(up) in PLAIN_TENSORS
     if (
         gate.shape == up.shape
@@ -544,7 +553,7 @@ def activation(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.
     ):
         if not plain:
             library.register_dtensor_rules()
-        return autograd.geglu(gate, up, approximate)
+        return autograd.geglu(gate, up, approximate, owned)
     return autograd.geglu_formula(gate, up, approximate)
 
 

@@ -38,6 +38,8 @@ SHAPES = [(1, 7, 129), (7, 129, 1), (129, 33, LONG_K), (70, 300, 64), (130, 136,
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("activation", ACTS)
 def test_linear_forward_backward(fused_geglu, device, mnk, dtype, bias, activation):
+    """Our GEMMs forward and, with an activation, backward (without one, training is
+    cuBLAS's: test_linear_training_without_activation_is_cublas), against float64."""
     m, n, k = mnk
     x = torch.randn(m, k, dtype=dtype, device=device)
     w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
@@ -48,9 +50,42 @@ def test_linear_forward_backward(fused_geglu, device, mnk, dtype, bias, activati
         partial(eager_linear, activation=activation),
         [x, w, b],
         dy,
+        needs_grad=None if activation else [False] * 3,
         floors=[0.0, 0.0, 0.0, bias_grad_floor(x, w, b, dy, activation)],
         terms=max(mnk),  # fp32 sums in another order than cuBLAS's
     )
+
+
+def test_linear_training_without_activation_is_cublas(fused_geglu, device, monkeypatch):
+    """Where autograd records ``linear`` or ``layers.Linear`` without an activation,
+    ``F.linear`` runs (our backward measured slower): no Triton launch, eager's values
+    and gradients exactly; without autograd, our GEMM."""
+    x = torch.randn(5, 24, device=device, requires_grad=True)
+    w = torch.randn(16, 24, device=device, requires_grad=True)
+    b = torch.randn(16, device=device, requires_grad=True)
+    module = torch.nn.Linear(24, 16).to(device)
+    layer = fused_geglu.layers.Linear.forward.__get__(module)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    for ours, eager in (
+        (lambda: fused_geglu.linear(x, w, b), lambda: F.linear(x, w, b)),
+        (lambda: layer(x), lambda: module(x)),
+    ):
+        y = ours()
+        grads = torch.autograd.grad(
+            y.square().sum(), (x, *module.parameters(), w, b), allow_unused=True
+        )
+        y_ref = eager()
+        ref = torch.autograd.grad(
+            y_ref.square().sum(), (x, *module.parameters(), w, b), allow_unused=True
+        )
+        assert launched == []
+        assert torch.equal(y, y_ref)
+        for g, r in zip(grads, ref):
+            assert (g is None and r is None) or torch.equal(g, r)
+    with torch.no_grad():
+        fused_geglu.linear(x, w, b)
+        layer(x)
+    assert len(launched) == 2 and all(k.startswith("gemm") for k in launched)
 
 
 @pytest.mark.parametrize("aligned", [True, False])

@@ -141,35 +141,39 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-# Split-K scratch per (device, stream), reused: launches on one stream run in order. The
-# tile counters are zero between launches (the last program of each tile resets its own).
-_SPLIT_K_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def split_k_scratch(device: torch.device, ws_numel: int) -> tuple:
-    """(fp32 workspace of at least ``ws_numel``, zeroed int32 tile counters, one per SM)."""
-    programs = num_programs(device)
+def stream_scratch(
+    store: dict, device: torch.device, numel: int, counters: int, zeroed: bool
+) -> tuple:
+    """(fp32 workspace of at least ``numel``, zeroed int32 counters), kept in ``store`` per
+    (device, stream) and reused: launches on one stream run in order, and the kernels
+    leave the counters zero (and a ``zeroed`` workspace zero) for the next. Inside a CUDA
+    graph capture, fresh ones (memset nodes): the graph may replay on any stream, beside
+    other work of the capture stream."""
+    workspace = torch.zeros if zeroed else torch.empty
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # A graph's own (memset nodes): it may replay on any stream, beside other work of
-        # the capture stream, and scratch made during a capture is used only by its replays.
         return (
-            torch.empty(ws_numel, dtype=torch.float32, device=device),
-            torch.zeros(programs, dtype=torch.int32, device=device),
+            workspace(numel, dtype=torch.float32, device=device),
+            torch.zeros(counters, dtype=torch.int32, device=device),
         )
     stream = (
         driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
     )
     key = (device, stream)
-    scratch = _SPLIT_K_SCRATCH.get(key)
-    if scratch is None or scratch[0].numel() < ws_numel:
-        counters = (
-            torch.zeros(programs, dtype=torch.int32, device=device)
+    scratch = store.get(key)
+    if scratch is None or scratch[0].numel() < numel:
+        counts = (
+            torch.zeros(counters, dtype=torch.int32, device=device)
             if scratch is None
             else scratch[1]
         )
-        scratch = torch.empty(ws_numel, dtype=torch.float32, device=device), counters
-        _SPLIT_K_SCRATCH[key] = scratch
+        scratch = workspace(numel, dtype=torch.float32, device=device), counts
+        store[key] = scratch
     return scratch
+
+
+# Split-K: the partial tiles (overwritten by each launch) and one counter per tile (at
+# most one per SM); the last program of each tile resets its own.
+_SPLIT_K_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _tma_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
@@ -370,7 +374,9 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
             plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), False)
     ws = counters = None
     if plan.split > 1:
-        ws, counters = split_k_scratch(device, plan.ws_numel)
+        ws, counters = stream_scratch(
+            _SPLIT_K_SCRATCH, device, plan.ws_numel, num_programs(device), False
+        )
     plan.launchers(
         plan.tiles * plan.split, a, b, b_up, bias, bias_up, c, preact, preact_up, z,
         bias_grad, ws, counters, M, N, K, *strides,
@@ -492,32 +498,9 @@ def mlp_config(H: int, I: int, dtype: torch.dtype, device: torch.device) -> dict
             "num_stages": 3}  # fmt: skip
 
 
-# fp32 sums [M, H] and the arrival count per (device, stream), zero between launches (the
-# last program of each launch zeroes them).
+# The one-launch MLP's fp32 sums [M, H] and its arrival count, both zero between launches
+# (the last program of each launch zeroes them).
 _MLP_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def mlp_scratch(device: torch.device, numel: int) -> tuple:
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # A graph's own, zeroed by memset nodes (as split_k_scratch's counters).
-        return (
-            torch.zeros(numel, dtype=torch.float32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device),
-        )
-    stream = (
-        driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
-    )
-    key = (device, stream)
-    scratch = _MLP_SCRATCH.get(key)
-    if scratch is None or scratch[0].numel() < numel:
-        arrivals = (
-            torch.zeros(1, dtype=torch.int32, device=device)
-            if scratch is None
-            else scratch[1]
-        )
-        scratch = torch.zeros(numel, dtype=torch.float32, device=device), arrivals
-        _MLP_SCRATCH[key] = scratch
-    return scratch
 
 
 _MLP_PLANS = BoundedCache(256)
@@ -576,7 +559,7 @@ def geglu_mlp_small(
             cdiv(I, cfg["BLOCK_I"]),
             Launcher(geglu_mlp_kernel, constexprs),
         )
-    sums, arrivals = mlp_scratch(device, M * H)
+    sums, arrivals = stream_scratch(_MLP_SCRATCH, device, M * H, 1, True)
     grid, launcher = plan
     launcher(
         grid, x, w_gate, w_up, w_down, bias_gate, bias_up, bias_down, out, sums,

@@ -16,11 +16,13 @@ from torch import nn
 
 from . import autograd
 from .checks import is_dtensor
+from .gemm import NO_ACT
 from .route import (
     Family,
     fallback_reason,
     geglu_projections,
     input_reason,
+    linear,
     mlp_output,
     module_route,
     project_down,
@@ -186,7 +188,8 @@ class GEGLU(nn.Module):
 
 
 class Linear(nn.Module):
-    """``nn.Linear``: ``input @ weight.T + bias`` with the bias in the GEMM epilogue."""
+    """``nn.Linear``: ``input @ weight.T + bias`` with the bias in the GEMM epilogue; in
+    training, ``F.linear`` itself (route.linear)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -216,7 +219,7 @@ class Linear(nn.Module):
         if reason is not None:
             warn_fallback(self, "Linear", reason)
             return F.linear(input, weight, bias)
-        return autograd.linear(input, weight, bias, 0)
+        return linear(input, weight, bias, NO_ACT)
 
 
 def _halves_geglu(module: nn.Module, x: torch.Tensor, approximate: str, layer: str):

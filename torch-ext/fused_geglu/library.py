@@ -122,7 +122,6 @@ geglu_grad = KernelOp(
 )
 
 
-
 def _geglu_backward_in_place(dout, gate, up, approximate):
     geglu_backward(dout, gate, up, approximate, gate, up)
 
@@ -211,29 +210,22 @@ def _bias_grad_alone(dz: torch.Tensor) -> torch.Tensor:
 
 
 def _linear_backward(dy, x, weight, preact, activation, need_dx, need_dw, need_db):
-    """(dx, dw, db), None where not needed. With an activation, dZ = round(dY * act'(Z))
-    is formed in each GEMM's prologue; the bias gradient rides in the weight-gradient
-    GEMM, or is a column sum when no weight gradient is needed."""
+    """(dx, dw, db), None where not needed, of act(x @ W^T + b) with an activation
+    (without one, training takes cuBLAS: route.linear). dZ = round(dY * act'(Z)) is formed
+    in each GEMM's prologue; the bias gradient rides in the weight-gradient GEMM, or is a
+    column sum when no weight gradient is needed."""
     dy2, x2 = as_rows(dy), as_rows(x)
     dx = dw = db = None
     if need_dx:  # dX = dZ @ W
         dx = _empty(x, *x.shape)
-        if activation == NO_ACT:
-            gemm(dy2, weight.t(), as_rows(dx))
-        else:
-            gemm_dact(dy2, preact, weight.t(), as_rows(dx), activation)
+        gemm_dact(dy2, preact, weight.t(), as_rows(dx), activation)
     db32 = _empty(dy, weight.shape[0], dtype=torch.float32) if need_db else None
     if need_dw:  # dW = dZ^T @ X; db = row sums of dZ^T, in the same GEMM
         dw = _empty(weight, *weight.shape)
-        if activation == NO_ACT:
-            gemm(dy2.t(), x2.t(), dw, bias_grad=db32)
-        else:
-            gemm_dact(dy2.t(), preact.t(), x2.t(), dw, activation, bias_grad=db32)
+        gemm_dact(dy2.t(), preact.t(), x2.t(), dw, activation, bias_grad=db32)
     elif need_db:
-        dz = dy2
-        if activation != NO_ACT:
-            approximate = "tanh" if activation == GELU_TANH else "none"
-            dz = torch.ops.aten.gelu_backward(dy2, preact, approximate=approximate)
+        approximate = "tanh" if activation == GELU_TANH else "none"
+        dz = torch.ops.aten.gelu_backward(dy2, preact, approximate=approximate)
         db32 = _bias_grad_alone(dz)
     if need_db:
         db = db32.to(dy.dtype)

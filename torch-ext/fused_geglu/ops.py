@@ -68,6 +68,8 @@ def linear(
     activation: str | None = None,
 ) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` in one kernel: bias and activation in the epilogue.
+    Where autograd records a call without an activation, ``F.linear`` (cuBLAS) runs: its
+    backward is the faster one there (route.py).
 
     x: [..., K]; weight: [N, K] (``nn.Linear`` layout, any strides); bias: [N];
     activation: None, "gelu" (exact) or "gelu_tanh". Differentiable in all three.
@@ -75,7 +77,7 @@ def linear(
     check_activation("linear", activation)
     check_tensors("linear", x=x, weight=weight, **given(bias=bias))
     check_linear_shapes("linear", x, weight, bias)
-    return autograd.linear(x, weight, bias, LINEAR_ACTIVATIONS[activation])
+    return route.linear(x, weight, bias, LINEAR_ACTIVATIONS[activation])
 
 
 def geglu_linear(

@@ -189,26 +189,29 @@ def test_geglu_backward_keeps_the_callers_tensors(fused_geglu, device, monkeypat
 
 
 def test_owned_activation_backward_never_reads_overwritten_data(fused_geglu, device):
-    """Whoever else saved an owned gate for its backward either ran first (and saw the
-    original values) or meets PyTorch's in-place error: the version counter was bumped.
-    Also the version counters move, so the overwrite is visible to autograd."""
-    autograd = fused_geglu.autograd
+    """The overwrite bumps gate's and up's version counters: a node that saved gate and
+    runs its backward after ours (created before ours: autograd runs later nodes first)
+    meets PyTorch's in-place error; one that runs before ours sees the original values."""
+    geglu = fused_geglu.autograd.geglu
     x = torch.randn(4, 6, device=device, requires_grad=True)
     gate, up = x * 2, x * 3
     version = gate._version
-    h = autograd.geglu(gate, up, "tanh", owned=True)
+    h = geglu(gate, up, "tanh", owned=True)
     h.sum().backward()
     assert gate._version > version and up._version > version
+
+    gate, up = x * 2, x * 3
+    earlier = gate.sin()  # saves gate; its backward runs after ours
+    h = geglu(gate, up, "tanh", owned=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (h.sum() + earlier.sum()).backward()
+
     x.grad = None
     gate, up = x * 2, x * 3
-    h = autograd.geglu(gate, up, "tanh", owned=True)
-    s = gate.sin()  # saves gate for its backward
-    try:
-        (h.sum() + s.sum()).backward()
-    except RuntimeError as error:
-        assert "modified by an inplace operation" in str(error)
-    else:
-        ref = x.detach().requires_grad_()
-        g_ref, u_ref = ref * 2, ref * 3
-        (F.gelu(g_ref, approximate="tanh") * u_ref + g_ref.sin()).sum().backward()
-        torch.testing.assert_close(x.grad, ref.grad)
+    h = geglu(gate, up, "tanh", owned=True)
+    later = gate.sin()  # its backward runs before ours
+    (h.sum() + later.sum()).backward()
+    ref = x.detach().requires_grad_()
+    g_ref, u_ref = ref * 2, ref * 3
+    (F.gelu(g_ref, approximate="tanh") * u_ref + g_ref.sin()).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)

@@ -204,6 +204,64 @@ def test_mlp_in_one_launch(fused_geglu, device, monkeypatch, tokens, dtype, bias
         assert_close_to_ref(result, ref, eager, floor=floor, what="one-launch MLP")
 
 
+def test_mlp_in_one_launch_other_output_width(fused_geglu, device, monkeypatch):
+    """A down projection whose output width (40) is not the input's (72): the one launch
+    writes every output column and no more (the output sits in a NaN buffer that must keep
+    its tail), within the rule of float64."""
+    hidden, inter, out_width, dtype = 72, 200, 40, torch.float16
+    x = torch.randn(3, hidden, dtype=dtype, device=device)
+    wg, wu, _, bg, bu, _ = params(hidden, inter, dtype, device, True)
+    wd = torch.randn(out_width, inter, dtype=dtype, device=device) / inter**0.5
+    bd = torch.randn(out_width, dtype=dtype, device=device)
+    buffer = torch.full((3 * out_width + 64,), float("nan"), dtype=dtype, device=device)
+    out = buffer[: 3 * out_width].view(3, out_width)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    fused_geglu.gemm.geglu_mlp_small(
+        x, wg, wu, wd, out, fused_geglu.gemm.GELU_TANH, bias_gate=bg, bias_up=bu,
+        bias_down=bd,
+    )  # fmt: skip
+    with torch.no_grad():
+        routed = fused_geglu.geglu_mlp(x, wg, wu, wd, bg, bu, bd)
+    assert launched == ["geglu_mlp_kernel"] * 2
+    assert buffer[3 * out_width :].isnan().all()
+    ref = eager_geglu_mlp(*cast([x, wg, wu, wd, bg, bu, bd], torch.float64))
+    eager = eager_geglu_mlp(x, wg, wu, wd, bg, bu, bd)
+    floor = reference.accumulation_floor(ref, inter)
+    for result in (out, routed):
+        assert_close_to_ref(
+            result, ref, eager, floor=floor, what="one launch, 72 -> 40"
+        )
+
+
+def test_trainable_down_behind_frozen_projections(fused_geglu, device):
+    """Frozen gate/up and an input without grad, a trainable down projection: the dual
+    GEMM runs (nothing to differentiate there) and the down projection trains through
+    cuBLAS; eager's gradient. 200 rows: where our GEMM would take the down projection in
+    inference (test_layer_down_projection_route)."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    hidden, inter, dtype = 64, 136, torch.float16
+    config = GemmaConfig(
+        hidden_size=hidden, intermediate_size=inter, hidden_act="gelu_pytorch_tanh"
+    )
+    mlp = GemmaMLP(config).to(device, dtype)
+    mlp.gate_proj.requires_grad_(False)
+    mlp.up_proj.requires_grad_(False)
+    eager = copy.deepcopy(mlp)
+    x = torch.randn(200, hidden, dtype=dtype, device=device)
+    fused_geglu.layers.GeGLUMLP.forward(mlp, x).float().square().sum().backward()
+    eager(x).float().square().sum().backward()
+    ref = copy.deepcopy(eager).double()
+    ref.down_proj.weight.grad = None
+    ref(x.double()).square().sum().backward()
+    assert_close_to_ref(
+        mlp.down_proj.weight.grad, ref.down_proj.weight.grad, eager.down_proj.weight.grad,
+        floor=reference.accumulation_floor(ref.down_proj.weight.grad, 200),
+        what="down_proj.weight.grad",
+    )  # fmt: skip
+
+
 def test_mlp_one_launch_limits(fused_geglu, device, monkeypatch):
     """17 tokens, a recorded gradient, or deterministic algorithms: the two-kernel route
     (the dual GEMM, then cuBLAS), with the same result as the one launch's rule."""

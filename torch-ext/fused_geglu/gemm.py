@@ -498,7 +498,7 @@ def mlp_config(H: int, I: int, dtype: torch.dtype, device: torch.device) -> dict
             "num_stages": 3}  # fmt: skip
 
 
-# The one-launch MLP's fp32 sums [M, H] and its arrival count, both zero between launches
+# The one-launch MLP's fp32 sums [M, N] and its arrival count, both zero between launches
 # (the last program of each launch zeroes them).
 _MLP_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -510,25 +510,25 @@ def geglu_mlp_small(
     x: torch.Tensor,  # [M, H], M <= MLP_MAX_TOKENS
     w_gate: torch.Tensor,  # [I, H]
     w_up: torch.Tensor,  # [I, H]
-    w_down: torch.Tensor,  # [H, I]
-    out: torch.Tensor,  # [M, H]
+    w_down: torch.Tensor,  # [N, I]
+    out: torch.Tensor,  # [M, N]
     activation: int,
     *,
     bias_gate: torch.Tensor | None = None,  # [I]
     bias_up: torch.Tensor | None = None,  # [I]
-    bias_down: torch.Tensor | None = None,  # [H]
+    bias_down: torch.Tensor | None = None,  # [N]
 ) -> None:
     """out = round(h @ w_down^T + bias_down), h = round(act(gate)) * up as gemm_gated's:
     the whole GeGLU MLP in one launch (geglu_mlp_kernel). Its fp32 sums are added in an
     order that varies between launches."""
     M, H, stride_x = _rows(x)
-    I = w_gate.shape[0]
+    I, N = w_gate.shape[0], w_down.shape[0]
     if M > MLP_MAX_TOKENS:
         raise ValueError(
             f"geglu_mlp_small takes at most {MLP_MAX_TOKENS} rows, got x of shape "
             f"{tuple(x.shape)}"
         )
-    if M == 0 or H == 0:
+    if M == 0 or N == 0:
         return
     if I == 0:  # no intermediate columns: the down projection is its bias
         out.copy_(
@@ -542,7 +542,7 @@ def geglu_mlp_small(
         None if bias_up is None else bias_up.stride(0),
         None if bias_down is None else bias_down.stride(0),
     )  # fmt: skip
-    key = (M, H, I, dtype, device, activation, strides)
+    key = (M, H, I, N, dtype, device, activation, strides)
     plan = _MLP_PLANS.get(key)
     if plan is None:
         cfg = mlp_config(H, I, dtype, device)
@@ -559,9 +559,9 @@ def geglu_mlp_small(
             cdiv(I, cfg["BLOCK_I"]),
             Launcher(geglu_mlp_kernel, constexprs),
         )
-    sums, arrivals = stream_scratch(_MLP_SCRATCH, device, M * H, 1, True)
+    sums, arrivals = stream_scratch(_MLP_SCRATCH, device, M * N, 1, True)
     grid, launcher = plan
     launcher(
         grid, x, w_gate, w_up, w_down, bias_gate, bias_up, bias_down, out, sums,
-        arrivals, M, H, I, *strides,
+        arrivals, M, H, I, N, *strides,
     )  # fmt: skip

@@ -87,10 +87,12 @@ def _epilogue(
     tile C receives (before ACCUMULATE)."""
     mask_n = offs_n < N
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n)
+        bias = tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n, other=0.0)
         acc1 += bias.to(tl.float32)[None, :]
         if GATED:
-            bias_up = tl.load(bias_up_ptr + offs_n * stride_bias_up, mask=mask_n)
+            bias_up = tl.load(
+                bias_up_ptr + offs_n * stride_bias_up, mask=mask_n, other=0.0
+            )
             acc2 += bias_up.to(tl.float32)[None, :]
     mask = (offs_m < M)[:, None] & mask_n[None, :]
     pre_offs = offs_m[:, None] * N + offs_n[None, :]
@@ -358,22 +360,23 @@ def gemm_tma_kernel(
         c_desc.store([off_m, off_n], out.to(dtype))
 
 
-# M is specialised as in gemm_kernel; the intermediate size I and the hidden size H too.
+# M is specialised as in gemm_kernel; the sizes H, I and N too.
 @triton.jit
 def geglu_mlp_kernel(
     x_ptr,  # [M, H]
     w_gate_ptr,  # [I, H]
     w_up_ptr,  # [I, H]
-    w_down_ptr,  # [H, I]
+    w_down_ptr,  # [N, I]
     bias_gate_ptr,  # [I] (HAS_BIAS)
     bias_up_ptr,  # [I] (HAS_BIAS)
-    bias_down_ptr,  # [H] (HAS_DOWN_BIAS)
-    out_ptr,  # [M, H]
-    sums_ptr,  # fp32 [M, H], zero; left zero
+    bias_down_ptr,  # [N] (HAS_DOWN_BIAS)
+    out_ptr,  # [M, N]
+    sums_ptr,  # fp32 [M, N], zero; left zero
     arrivals_ptr,  # int32 [1], zero; left zero
     M,
     H,
     I,
+    N,
     stride_xm,
     stride_xk,
     stride_gn,
@@ -401,7 +404,7 @@ def geglu_mlp_kernel(
         out = round(h @ W_down^T + b_down),  h = round(act(gate)) * up (gemm_kernel's GATED)
     Program p owns the intermediate columns [p BLOCK_I, (p+1) BLOCK_I): it streams those
     rows of W_gate and W_up, forms its slice of h in registers, multiplies it by the
-    matching columns of W_down and adds the [M, H] partial product into fp32 ``sums``
+    matching columns of W_down and adds the [M, N] partial product into fp32 ``sums``
     (atomics). The last program to arrive rounds the sums into ``out`` (with b_down) and
     zeroes them again for the next launch. Every weight byte is read once, by one launch.
     The order of the fp32 additions varies between launches (not bitwise reproducible)."""
@@ -442,9 +445,9 @@ def geglu_mlp_kernel(
 
     offs_n = tl.arange(0, BLOCK_N)
     d_ptrs = w_down_ptr + offs_n[None, :] * stride_dn + offs_i[:, None] * stride_dk
-    sums_ptrs = sums_ptr + offs_m[:, None] * H + offs_n[None, :]
-    for n in range(tl.cdiv(H, BLOCK_N)):
-        mask_n = offs_n < H - n * BLOCK_N
+    sums_ptrs = sums_ptr + offs_m[:, None] * N + offs_n[None, :]
+    for n in range(tl.cdiv(N, BLOCK_N)):
+        mask_n = offs_n < N - n * BLOCK_N
         w_down = tl.load(d_ptrs, mask=mask_i[:, None] & mask_n[None, :], other=0.0)
         part = _dot(
             h, w_down, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INPUT_PRECISION
@@ -459,17 +462,17 @@ def geglu_mlp_kernel(
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
     if arrived == tl.num_programs(0) - 1:
-        for n in range(tl.cdiv(H, BLOCK_N)):
+        for n in range(tl.cdiv(N, BLOCK_N)):
             cols = n * BLOCK_N + offs_n
-            mask = mask_m[:, None] & (cols < H)[None, :]
+            mask = mask_m[:, None] & (cols < N)[None, :]
             # The sums where the atomics left them (L2: .cg), then zeros for the next launch.
-            sums_tile = sums_ptr + offs_m[:, None] * H + cols[None, :]
+            sums_tile = sums_ptr + offs_m[:, None] * N + cols[None, :]
             total = tl.load(sums_tile, mask=mask, cache_modifier=".cg")
             tl.store(
                 sums_tile, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=mask
             )
             if HAS_DOWN_BIAS:
-                bias = tl.load(bias_down_ptr + cols * stride_bias_down, mask=cols < H)
+                bias = tl.load(bias_down_ptr + cols * stride_bias_down, mask=cols < N)
                 total += bias.to(tl.float32)[None, :]
             out_offs = offs_m[:, None] * stride_om + cols[None, :] * stride_on
             tl.store(out_ptr + out_offs, total.to(dtype), mask=mask)

@@ -109,8 +109,9 @@ def geglu_mlp(
 ) -> torch.Tensor:
     """``down(gelu(gate(x)) * up(x))`` by the route the layers take (route.py): in inference
     on Hopper-class GPUs the GeGLU dual GEMM, then the down projection (our GEMM with its
-    bias in the epilogue where its tiles fill the GPU: two kernels); in training, or
-    elsewhere, the projections (cuBLAS) and the fused GeGLU activation."""
+    bias in the epilogue where its tiles fill the GPU: two kernels), and for eager calls
+    of 16 tokens or fewer the whole MLP in one kernel; in training, or elsewhere, the
+    projections (cuBLAS) and the fused GeGLU activation."""
     check_geglu_linear(
         "geglu_mlp", x, w_gate, w_up, b_gate, b_up, approximate,
         w_down=w_down, **given(b_down=b_down),

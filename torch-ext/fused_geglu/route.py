@@ -88,7 +88,7 @@ def down_projection(h, weight, bias, fused: bool) -> torch.Tensor:
         if tma_applies(m, h.dtype, h.device) and tma_tiles_fill_gpu(
             m, n, k, h.dtype, h.device
         ):
-            return autograd.linear(h, weight, bias, 0)
+            return linear(h, weight, bias, NO_ACT)  # a trainable down weight: cuBLAS
     return F.linear(h, weight, bias)
 
 
@@ -274,14 +274,15 @@ def _plain_linear_operands(m: nn.Module) -> tuple | None:
 def _watched(module: nn.Module, family: Family) -> tuple:
     """Everything a route depends on: the module's class and, per submodule, the module,
     its weight and the weight's data pointer (``module.to()`` swaps a parameter's data in
-    place: cached views would be stale), its bias, whether it has hooks, and an
-    instance-level (patched) forward. ``_unchanged`` compares them on every call."""
+    place: cached views would be stale), its bias, whether it has hooks, and the id of an
+    instance-level (patched) forward (not the function: it may hold the parent module).
+    ``_unchanged`` compares them on every call."""
     mods = module._modules
     children = []
     for name in family.children:
         m = mods.get(name)
         if m is None:
-            children.append((name, None, None, None, None, False, None))
+            children.append((name, None, None, None, None, False, id(None)))
             continue
         params = m._parameters
         weight = params.get("weight")
@@ -295,7 +296,7 @@ def _watched(module: nn.Module, family: Family) -> tuple:
                 ptr,
                 params.get("bias"),
                 hooked,
-                m.__dict__.get("forward"),
+                id(m.__dict__.get("forward")),
             )
         )
     return type(module), tuple(children)
@@ -319,7 +320,7 @@ def _unchanged(module: nn.Module, watched: tuple) -> bool:
             or params.get("bias") is not bias
             or (ptr is not None and weight.data_ptr() != ptr)
             or bool(m._forward_hooks or m._forward_pre_hooks) is not hooked
-            or m.__dict__.get("forward") is not forward
+            or id(m.__dict__.get("forward")) != forward
         ):
             return False
     return True
@@ -496,6 +497,7 @@ def mlp_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None = 
     if (
         type(x) is not torch.Tensor
         or x.dtype is not w_gate.dtype
+        or x.dim() == 0
         or x.shape[-1] != w_gate.shape[1]
         or x.device != w_gate.device
         or (torch.is_grad_enabled() and autograd.needs_grad(x, *mlp))

@@ -326,8 +326,8 @@ def e2e_section(path: Path, result: dict) -> list[str]:
     others = [name for name in others if name not in ("eager", "ours")]
     lines = paragraph(
         f"Gemma-2B-shaped model ({model['num_hidden_layers']} layers, bf16), eager and "
-        f"kernelized, {args['rounds']} interleaved rounds (`{path.relative_to(ROOT)}`; "
-        f"method in docs/results.md):"
+        f"kernelized, {args['rounds']} interleaved rounds (`{path.relative_to(ROOT)}`, "
+        f"`benchmarks/e2e.py`):"
     )
     head = ["", "eager", "fused-geglu", "speed-up", "per round", "tokens equal"]
     head += [f"{E2E_MODELS.get(name, name)}: speed-up" for name in others]

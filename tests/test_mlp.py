@@ -284,6 +284,12 @@ def test_mlp_one_launch_limits(fused_geglu, device, monkeypatch):
     launched.clear()
     fused_geglu.geglu_mlp(x, *(p.requires_grad_() for p in ps))
     assert "geglu_mlp_kernel" not in launched
+    # No intermediate columns: the output is the down projection's bias.
+    out = torch.full((3, hidden), float("nan"), dtype=dtype, device=device)
+    empty = torch.empty(0, hidden, dtype=dtype, device=device)
+    down = torch.empty(hidden, 0, dtype=dtype, device=device)
+    fused_geglu.gemm.geglu_mlp_small(x, empty, empty, down, out, 1, bias_down=ps[5])
+    assert torch.equal(out, ps[5].expand_as(out))
     with pytest.raises(ValueError, match="at most 16 rows"):
         out = torch.empty(17, hidden, dtype=dtype, device=device)
         fused_geglu.gemm.geglu_mlp_small(

@@ -501,8 +501,6 @@ def mlp_config(H: int, I: int, dtype: torch.dtype, device: torch.device) -> dict
 # The one-launch MLP's fp32 sums [M, N] and its arrival count, both zero between launches
 # (the last program of each launch zeroes them).
 _MLP_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 _MLP_PLANS = BoundedCache(256)
 
 
@@ -530,10 +528,11 @@ def geglu_mlp_small(
         )
     if M == 0 or N == 0:
         return
-    if I == 0:  # no intermediate columns: the down projection is its bias
-        out.copy_(
-            torch.zeros_like(out) if bias_down is None else bias_down.expand_as(out)
-        )
+    if I == 0:  # no intermediate columns (no programs): the down projection is its bias
+        if bias_down is None:
+            out.zero_()
+        else:
+            out.copy_(bias_down.expand_as(out))
         return
     dtype, device = x.dtype, x.device
     strides = (
@@ -552,7 +551,7 @@ def geglu_mlp_small(
             "ACTIVATION": activation,
             "EVEN_K": H % cfg["BLOCK_K"] == 0,
             "INPUT_PRECISION": _input_precision(dtype),
-            "BLOCK_M": 16,
+            "BLOCK_M": MLP_MAX_TOKENS,  # one row tile holds every token
             **cfg,
         }
         plan = _MLP_PLANS[key] = (

@@ -500,7 +500,7 @@ def mlp_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None = 
         or x.dim() == 0
         or x.shape[-1] != w_gate.shape[1]
         or x.device != w_gate.device
-        or (torch.is_grad_enabled() and autograd.needs_grad(x, *mlp))
+        or autograd.needs_grad(x, *mlp)
         or not mlp_in_one_launch(x)
         or torch.is_autocast_enabled(x.device.type)
         or autograd.transforms_active()

@@ -292,23 +292,35 @@ def linear_peers(ours, linear: nn.Linear) -> dict[str, Callable]:
     }
 
 
+def liger_mlp(mlp: nn.Module) -> nn.Module | None:
+    """Liger's GeGLU MLP on ``mlp``'s projections (GemmaMLP's names), or None when
+    liger_kernel is absent."""
+    lib = liger()
+    if lib is None:
+        return None
+    gate = mlp.gate_proj
+    config = types.SimpleNamespace(
+        hidden_size=gate.in_features,
+        intermediate_size=gate.out_features,
+        hidden_act="gelu_pytorch_tanh",
+    )
+    module = lib.mlp(config).to(gate.weight.device, gate.weight.dtype)
+    module.gate_proj, module.up_proj, module.down_proj = (
+        gate,
+        mlp.up_proj,
+        mlp.down_proj,
+    )
+    return module
+
+
 def mlp_peers(ours, mlp: nn.Module, dynamic: bool | None = None) -> dict:
     """The MLP as functions of x, all on ``mlp``'s projections: ours as the layer
     kernelize installs (``ours_layer``), as ``geglu_mlp`` (``ours_dual_gemm``) and as
     cuBLAS projections around our ``geglu`` (``ours_fused_activation``)."""
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
     peers = {"eager": mlp, "compile": torch.compile(mlp, dynamic=dynamic)}
-    lib = liger()
-    if lib is not None:
-        config = types.SimpleNamespace(
-            hidden_size=gate.in_features,
-            intermediate_size=gate.out_features,
-            hidden_act="gelu_pytorch_tanh",
-        )
-        weight = gate.weight
-        liger_mlp = lib.mlp(config).to(weight.device, weight.dtype)
-        liger_mlp.gate_proj, liger_mlp.up_proj, liger_mlp.down_proj = gate, up, down
-        peers["liger"] = liger_mlp
+    if (liger_peer := liger_mlp(mlp)) is not None:
+        peers["liger"] = liger_peer
     peers["ours_layer"] = types.MethodType(ours.layers.GeGLUMLP.forward, mlp)
     peers["ours_dual_gemm"] = lambda x: ours.geglu_mlp(
         x, gate.weight, up.weight, down.weight, gate.bias, up.bias, down.bias

@@ -3,9 +3,11 @@ one run; writes benchmarks/results/<date>-<gpu>-compare.json (or --out). Needs a
 
 Times are medians of triton.testing.do_bench; shapes of 64 tokens or fewer are timed by
 CUDA-graph replay (do_bench_cudagraph) so launch gaps don't pose as kernel time, and their
-host (CPU) time per call is reported separately. The `host` section times the host cost
-of every public op and layer at tiny shapes. Kernel lists are taken after all timing (a
-profiled process runs later kernels slower).
+host (CPU) time per call is reported separately. The `training` section times a training
+step of each family's feed-forward (and of the Gemma MLP with frozen weights) with its
+peak memory; the `host` section the host cost of every public op and layer at tiny
+shapes. Kernel lists are taken after all timing (a profiled process runs later kernels
+slower).
 """
 
 import argparse
@@ -51,15 +53,14 @@ def activation(ours, ceil, later):
 
 
 def linear(ours, ceil, later):
-    shapes = [
+    shapes = [  # forward, and forward+backward
         (8192, 16384, 2048),
         (8192, 2048, 16384),
         (4096, 4096, 4096),
         (8192, 4096, 4096),
     ]
-    shapes += [(64, 16384, 2048), (16, 16384, 2048), (1, 16384, 2048)]
     out = []
-    for m, n, k in shapes:
+    for m, n, k in shapes + [(64, 16384, 2048), (16, 16384, 2048), (1, 16384, 2048)]:
         lin = nn.Linear(k, n, device="cuda", dtype=BF16).requires_grad_(False)
         lin.weight.normal_(0, k**-0.5)
         x = torch.randn(m, k, dtype=BF16, device="cuda")
@@ -68,13 +69,21 @@ def linear(ours, ceil, later):
         flops, bytes_ = 2 * m * n * k, 2 * (m * k + n * k + m * n + n)
         peers = lib.linear_peers(ours, lin)
         peers["eager_mm_then_add"] = lambda x: (x @ lin.weight.t()) + lin.bias
-        for name, fn in peers.items():
-            ms = lib.bench_ms(lambda fn=fn: fn(x), graph=small)
+        calls = {name: (lambda fn=fn: fn(x)) for name, fn in peers.items()}
+        if small:  # CUDA-graph replay, one peer after another
+            timed = {
+                name: (lib.bench_ms(c, graph=True), None) for name, c in calls.items()
+            }
+        else:  # a few percent of noise between runs: interleaved rounds, medians
+            timed = lib.interleaved_ms(calls)
+        for name, (ms, rounds) in timed.items():
             row[name] = {
                 "ms": ms,
                 "TFLOPs": flops / ms / 1e9,
                 "TBps": bytes_ / ms / 1e9,
             }
+            if rounds is not None:
+                row[name]["rounds_ms"] = rounds
         row["ours_vs_eager"] = row["eager"]["ms"] / row["ours"]["ms"]
         if small:
             row["ours"]["frac_of_copy"] = row["ours"]["TBps"] / ceil["copy_TBps"]
@@ -82,17 +91,52 @@ def linear(ours, ceil, later):
             row["ours"]["frac_of_peak"] = row["ours"]["TFLOPs"] / ceil["matmul_TFLOPs"]
         later.append((row["ours"], lambda fn=peers["ours"], x=x: fn(x)))
         out.append(row)
-    # forward + backward with bias, interleaved
-    m, n, k = 8192, 16384, 2048
-    lin = nn.Linear(k, n, device="cuda", dtype=BF16)
-    x = torch.randn(m, k, dtype=BF16, device="cuda", requires_grad=True)
-    dy = torch.randn(m, n, dtype=BF16, device="cuda")
+    fwd_bwd = []  # with bias, x, weight and bias trainable, interleaved
+    torch.compiler.reset()  # room for nn.Linear's recompiles (see main)
+    for m, n, k in shapes:
+        lin = nn.Linear(k, n, device="cuda", dtype=BF16)
+        x = torch.randn(m, k, dtype=BF16, device="cuda", requires_grad=True)
+        dy = torch.randn(m, n, dtype=BF16, device="cuda")
+        steps = {
+            name: lambda fn=fn: torch.autograd.grad(fn(x), (x, *lin.parameters()), dy)
+            for name, fn in lib.linear_peers(ours, lin).items()
+        }
+        row = {"M": m, "N": n, "K": k}
+        for name, (ms, rounds) in lib.interleaved_ms(steps).items():
+            row[name] = {"ms": ms, "rounds_ms": rounds}
+        row["ours_vs_eager"] = row["eager"]["ms"] / row["ours"]["ms"]
+        fwd_bwd.append(row)
+    return {"forward": out, "fwd_bwd": fwd_bwd}
+
+
+def peak_extra_mib(step) -> float:
+    """The peak memory one call of ``step`` allocates beyond what was allocated before it,
+    MiB (call it warm: after the timing)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def training_steps(peers, x, params, timer=None, memory=None) -> dict:
+    """``{peer: {"ms", "rounds_ms", "peak_extra_MiB"}}`` of a training step (forward, and
+    the gradients of ``params`` by autograd.grad: none accumulate) of each peer, a
+    function of ``x``: timed in interleaved rounds, then each one's peak memory.
+    ``timer`` and ``memory`` replace lib.interleaved_ms and peak_extra_mib."""
+    timer, memory = timer or lib.interleaved_ms, memory or peak_extra_mib
+    with torch.no_grad():  # of the output's shape: the first peer's
+        dy = torch.randn_like(next(iter(peers.values()))(x))
     steps = {
-        name: lambda fn=fn: torch.autograd.grad(fn(x), (x, lin.weight, lin.bias), dy)
-        for name, fn in lib.linear_peers(ours, lin).items()
+        name: (lambda fn=fn: torch.autograd.grad(fn(x), params, dy))
+        for name, fn in peers.items()
     }
-    fb = {name: ms for name, (ms, _) in lib.interleaved_ms(steps).items()}
-    return {"forward": out, f"fwd_bwd_{m}x{n}x{k}_bias_ms": fb}
+    timed, rows = timer(steps), {}
+    for name, step in steps.items():
+        ms, rounds = timed[name]
+        rows[name] = {"ms": ms, "rounds_ms": rounds, "peak_extra_MiB": memory(step)}
+    return rows
 
 
 def mlp(ours, ceil, later):
@@ -116,26 +160,8 @@ def mlp(ours, ceil, later):
             later.append((row[name], torch.no_grad()(calls[name])))
         result["forward"][str(tokens)] = row
     x = torch.randn(8192, hidden, dtype=BF16, device="cuda", requires_grad=True)
-    dy = torch.randn(8192, hidden, dtype=BF16, device="cuda")
     params = [x, model.gate_proj.weight, model.up_proj.weight, model.down_proj.weight]
-    steps = {
-        name: (lambda fn=fn: torch.autograd.grad(fn(x), params, dy))
-        for name, fn in peers.items()
-    }
-    timed = lib.interleaved_ms(steps)
-    for name, step in steps.items():
-        ms, rounds = timed[name]
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        extra = (torch.cuda.max_memory_allocated() - base) / 2**20
-        result["fwd_bwd"][name] = {
-            "ms": ms,
-            "rounds_ms": rounds,
-            "peak_extra_MiB": extra,
-        }
+    result["fwd_bwd"] = training_steps(peers, x, params)
     return result
 
 
@@ -200,6 +226,42 @@ def families(ours, device="cuda", dtype=BF16, scale=1, timer=None, host_timer=No
             "max_abs_diff": (ours_out.float() - eager_out.float()).abs().max().item(),
         }
         print(name, result[name], flush=True)
+    return result
+
+
+def training(ours, device="cuda", dtype=BF16, scale=1, timer=None, memory=None):
+    """Each family's feed-forward at one real model size, one training step (the input and
+    every parameter trainable, dropout at p = 0 so that every peer computes the same):
+    the eager module, torch.compile of it, Liger (Gemma's MLP) and our layer's forward on
+    it; then the Gemma MLP with frozen projections (only the input trainable), eager
+    against ours. ``scale`` divides every size; ``timer`` and ``memory`` replace the GPU
+    timer and memory measure (a CPU smoke run)."""
+    result = {}
+
+    def measure(name, peers, module, tokens, hidden):
+        x = torch.randn(max(tokens // scale, 1), hidden, dtype=dtype, device=device)
+        x.requires_grad_(True)
+        params = [x, *(p for p in module.parameters() if p.requires_grad)]
+        result[name] = {"tokens": x.shape[0], "hidden": hidden}
+        result[name] |= training_steps(peers, x, params, timer, memory)
+        print(name, result[name], flush=True)
+
+    modules = family_modules(ours, scale)
+    for name, (module, layer, tokens, hidden) in modules.items():
+        module = module.to(device, dtype).train()
+        for dropout in module.modules():
+            if isinstance(dropout, nn.Dropout):  # T5's and ModernBERT's
+                dropout.p = 0.0
+        peers = {"eager": module, "compile": torch.compile(module)}
+        liger = lib.liger_mlp(module) if layer is ours.layers.GeGLUMLP else None
+        if liger is not None:  # Liger has Gemma's MLP only
+            peers["liger"] = liger
+        peers["ours"] = lambda x, m=module, layer=layer: layer.forward(m, x)
+        measure(name, peers, module, tokens, hidden)
+    module, layer, tokens, hidden = modules["Gemma-2B MLP"]
+    module.requires_grad_(False)
+    peers = {"eager": module, "ours": lambda x: layer.forward(module, x)}
+    measure("Gemma-2B MLP, frozen weights", peers, module, tokens, hidden)
     return result
 
 
@@ -285,6 +347,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path)
     sections = {"activation": activation, "linear": linear, "mlp": mlp}
+    sections |= {"training": lambda ours, ceil, later: training(ours)}
     sections |= {"families": lambda ours, ceil, later: families(ours)}
     sections |= {"host": lambda ours, ceil, later: host(ours)}
     parser.add_argument("--only", nargs="*", default=list(sections), choices=sections)
@@ -298,6 +361,9 @@ def main(argv=None) -> int:
     print(json.dumps(result, indent=1), flush=True)
     later = []  # (row, call): kernel lists, taken after all timing
     for name in args.only:
+        # Compiled peers share code (nn.Linear's and GemmaMLP's forward), whose compiled
+        # graphs dynamo limits (recompile_limit, 8): past it a peer runs eager.
+        torch.compiler.reset()
         result[name] = sections[name](ours, result["ceilings"], later)
         print(name, json.dumps(result[name], indent=1), flush=True)
         out.write_text(json.dumps(result, indent=1) + "\n")

@@ -96,6 +96,19 @@ def mlp_forward_table(mlp: dict, key: str, fmt) -> list[str]:
     return table(["tokens"] + [PEERS[p] for p in peers], rows) + [""] if rows else []
 
 
+def linear_table(rows: list[dict], head: list[str]) -> list[str]:
+    """compare.py's Linear rows: ms of ours, eager, torch.compile (and `mm` then `+ bias`
+    where timed), then our speed over eager's."""
+    peers = ("ours", "eager", "compile", "eager_mm_then_add")
+    cells = [
+        [f"{r['M']}, {r['N']}, {r['K']}"]
+        + [ms(r[p]["ms"]) for p in peers if p in r]
+        + [frac(r["ours_vs_eager"])]
+        for r in rows
+    ]
+    return table(head, cells) + [""]
+
+
 def compare_section(path: Path, result: dict) -> list[str]:
     env, ceil = result["env"], result["ceilings"]
     tune = path.with_name(path.name.replace("-compare.json", "-tune.json"))
@@ -133,20 +146,19 @@ def compare_section(path: Path, result: dict) -> list[str]:
     # compare.py's linear section runs in bfloat16 and does not record it.
     lines += ["Linear with bias, bfloat16, forward ms (M tokens x N out x K in):", ""]
     head = ["M, N, K", "fused-geglu `linear`", "cuBLAS `F.linear`", "torch.compile"]
-    head += ["`mm` then `+ bias`", "`linear` speed / cuBLAS's"]
-    rows = [
-        [f"{r['M']}, {r['N']}, {r['K']}"]
-        + [ms(r[k]["ms"]) for k in ("ours", "eager", "compile", "eager_mm_then_add")]
-        + [frac(r["ours_vs_eager"])]
-        for r in lin["forward"]
-    ]
-    lines += table(head, rows) + [""]
-    key = next(k for k in lin if k.startswith("fwd_bwd_"))  # fwd_bwd_<MxNxK>_bias_ms
-    shape, fb = key.split("_")[2].replace("x", " x "), lin[key]
-    lines += paragraph(
-        f"Linear forward+backward with bias at {shape}: fused-geglu {ms(fb['ours'])} ms, "
-        f"eager {ms(fb['eager'])} ms."
-    )
+    speed = "`linear` speed / cuBLAS's"
+    lines += linear_table(lin["forward"], head + ["`mm` then `+ bias`", speed])
+    if "fwd_bwd" in lin:
+        title = "forward+backward ms (x, weight and bias trainable)"
+        lines += [f"Linear with bias, bfloat16, {title}:", ""]
+        lines += linear_table(lin["fwd_bwd"], head + [speed])
+    else:  # written when compare.py timed one shape: fwd_bwd_<MxNxK>_bias_ms
+        key = next(k for k in lin if k.startswith("fwd_bwd_"))
+        shape, fb = key.split("_")[2].replace("x", " x "), lin[key]
+        lines += paragraph(
+            f"Linear forward+backward with bias at {shape}: fused-geglu "
+            f"{ms(fb['ours'])} ms, eager {ms(fb['eager'])} ms."
+        )
 
     mlp = result["mlp"]
     title = f"Gemma-2B MLP (hidden {mlp['hidden']}, intermediate {mlp['intermediate']})"

@@ -182,3 +182,44 @@ def bias_grad_floor(x, w, b, dy, activation=None) -> float:
     (dz,) = torch.autograd.grad(eager_activation(z, activation), z, dy.double())
     dz = dz.reshape(-1, z.shape[-1])
     return torch.finfo(x.dtype).eps * dz.norm(dim=0).max().item()
+
+
+def ulps_apart(ours: torch.Tensor, eager: torch.Tensor) -> torch.Tensor:
+    """Per element, how many representable values lie between ``ours`` and ``eager`` (0:
+    the same bits; NaN against NaN counts as 0, NaN against a number as a huge distance)."""
+    bits = {2: torch.int16, 4: torch.int32}[ours.element_size()]
+
+    def ordered(t):
+        # Sign-magnitude bits onto a line where adjacent floats are adjacent integers
+        # (-0 just below +0).
+        i = t.contiguous().view(bits).long()
+        return torch.where(i < 0, -(i & (2 ** (8 * t.element_size() - 1) - 1)) - 1, i)
+
+    nan = ours.isnan() | eager.isnan()
+    apart = (ordered(ours) - ordered(eager)).abs()
+    both_nan = ours.isnan() & eager.isnan()
+    return torch.where(nan, torch.where(both_nan, 0, 2**40), apart)
+
+
+def assert_same_bits(ours: torch.Tensor, eager: torch.Tensor, what: str = "") -> None:
+    apart = ulps_apart(ours, eager)
+    bad = apart.nonzero().flatten()
+    assert bad.numel() == 0, (
+        f"{what}: {bad.numel()} of {ours.numel()} elements differ from eager's bits, "
+        f"e.g. ours {ours.flatten()[bad[:4]].tolist()} eager {eager.flatten()[bad[:4]].tolist()}"
+    )
+
+
+def assert_within_erff_ulp(ours, eager, gate, up, dy, what):
+    """Where only erff differs (by one ulp, 2^-24 near |erf| = 1): 1 + erf moves by as
+    much, so a result by at most |gate| 2^-23 |up| |dy| (each factor at least 1), or an
+    ulp of its dtype; NaN where eager has NaN."""
+    ours, eager = ours.double(), eager.double()
+    factors = up.double().abs().clamp(min=1) * dy.double().abs().clamp(min=1)
+    bound = gate.double().abs() * 2**-23 * factors
+    bound += eager.abs() * torch.finfo(gate.dtype).eps
+    same = (ours == eager) | (ours.isnan() & eager.isnan())
+    bad = (~same & ~((ours - eager).abs() <= bound)).nonzero().flatten()
+    assert bad.numel() == 0, (
+        f"{what}: {ours[bad[:4]].tolist()} vs {eager[bad[:4]].tolist()}"
+    )

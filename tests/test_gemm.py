@@ -12,6 +12,8 @@ from reference import (
     accumulation_floor,
     assert_all_close,
     assert_close_to_ref,
+    assert_same_bits,
+    assert_within_erff_ulp,
     bias_grad_floor,
     cast,
     check_against_float64,
@@ -380,3 +382,41 @@ def test_bf16_interpreted(fused_geglu, device, op):
     # the fp32 accumulation.
     tol = 4 * 2.0**-8 * ref.abs().max().item()
     assert (out.double() - ref).abs().max().item() <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("tokens", [16, 1 << 18], ids=["decode", "tma"])
+def test_epilogues_bit_for_bit_eager_on_gpu(fused_geglu, dtype, approximate, tokens):
+    """The GEMM epilogues' GeLU is the activation's (test_activation.py): with weights that
+    pick one input column each, the accumulators hold gate and up exactly, and ``linear``'s
+    and ``geglu_linear``'s outputs are eager's bits over every 16-bit gate value."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32, device="cuda")
+    every = bits.to(torch.int16).view(dtype).repeat(4)
+    x = torch.zeros(every.numel(), 8, dtype=dtype, device="cuda")
+    x[:, 0] = every
+    x[:, 1] = torch.randn(every.numel(), device="cuda").to(dtype)
+    x = x[x[:, 0].isfinite()]  # up = gate * 0 + up * 1 would be NaN for gate = inf
+    x = x[torch.randperm(x.shape[0], device="cuda")[:tokens]]
+    w_gate = torch.zeros(8, 8, dtype=dtype, device="cuda")
+    w_up = torch.zeros_like(w_gate)
+    w_gate[:, 0] = w_up[:, 1] = 1  # every output column: gate = x[:, 0], up = x[:, 1]
+    act = "gelu_tanh" if approximate == "tanh" else "gelu"
+    exact = approximate == "tanh" or fused_geglu.launch.TOOLKIT_LIBDEVICE is not None
+    pairs = {
+        "linear": (
+            fused_geglu.linear(x, w_gate, activation=act),
+            F.gelu(F.linear(x, w_gate), approximate=approximate),
+        ),
+        "geglu_linear": (
+            fused_geglu.geglu_linear(x, w_gate, w_up, approximate=approximate),
+            F.gelu(F.linear(x, w_gate), approximate=approximate) * F.linear(x, w_up),
+        ),
+    }
+    for name, (ours, eager) in pairs.items():
+        if exact:
+            assert_same_bits(ours, eager, f"{name} {dtype} {approximate}")
+        else:
+            gate, up = x[:, :1].expand_as(ours), x[:, 1:2].expand_as(ours)
+            assert_within_erff_ulp(ours, eager, gate, up, torch.ones_like(up), name)

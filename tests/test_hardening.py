@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from conftest import HAS_GPU, ROOT, run_python
 from reference import (
+    assert_same_bits,
     cast,
     check_against_float64,
     dtype_slack,
@@ -504,15 +505,31 @@ def test_overflow_as_float64(fused_geglu, device, dtype, approximate):
 TAIL = [-12.0, -10.0, -8.0]
 
 
+def _tail_as_eager_on_gpu(fused_geglu, device, approximate, gate, up, dy) -> bool:
+    """On the GPU the kernels compute eager's expressions (test_bit_for_bit_eager_on_gpu):
+    the tail is eager's, bit for bit. Returns whether that was the check made."""
+    if device != "cuda":
+        return False
+    ours = fwd_bwd(partial(fused_geglu.geglu, approximate=approximate), [gate, up], dy)
+    eager = fwd_bwd(partial(eager_geglu, approximate=approximate), [gate, up], dy)
+    for name, a, b in zip(("out", "d gate", "d up"), ours, eager):
+        assert_same_bits(a, b, f"{approximate} {name}")
+    return True
+
+
 @pytest.mark.parametrize("approximate", APPROX)
 def test_negative_tail_times_inf_as_float64(fused_geglu, device, approximate):
-    """Gates of about -13 to -6: ours keeps the tiny true gelu/gelu' (see
-    ``test_negative_tail_accuracy``), so a product with Inf is +-Inf, as in float64. Eager
-    float32 rounds them to 0 (1 + tanh(u) and cdf + x pdf cancel) and gives NaN there."""
+    """Gates of about -13 to -6 in the interpreter: ours keeps the tiny true gelu/gelu'
+    (see ``test_negative_tail_accuracy``), so a product with Inf is +-Inf, as in float64.
+    Eager float32 rounds them to 0 (1 + tanh(u) and cdf + x pdf cancel) and gives NaN
+    there; so does ours on the GPU, where it is eager's bit for bit."""
     gate = torch.tensor(TAIL, device=device)
     up = torch.full_like(gate, INF)
     dy = torch.full_like(gate, 2.0)
     big = torch.full_like(gate, 3e38)  # dy * up overflows to Inf before gelu'
+    if _tail_as_eager_on_gpu(fused_geglu, device, approximate, gate, up, dy):
+        _tail_as_eager_on_gpu(fused_geglu, device, approximate, gate, big, dy)
+        return
     ours_fn = partial(fused_geglu.geglu, approximate=approximate)
 
     def expected(up, k):
@@ -533,10 +550,13 @@ def test_negative_tail_times_inf_as_float64(fused_geglu, device, approximate):
     "approximate, rtol_fwd, rtol_grad", [("tanh", 1e-5, 1e-5), ("none", None, 5e-2)]
 )
 def test_negative_tail_accuracy(fused_geglu, device, approximate, rtol_fwd, rtol_grad):
-    """Why the tail differs from eager: ours is close to float64 where eager's is 0.
-    (The exact forward is not: 1 + erf cancels in our form as in eager's.)"""
+    """Why the interpreter's tail differs from eager: ours is close to float64 where
+    eager's is 0. (The exact forward is not: 1 + erf cancels in our form as in eager's.)
+    On the GPU the tail is eager's bit for bit."""
     x = torch.linspace(-9.5, -3.0, 27, device=device)
     ones = torch.ones_like(x)
+    if _tail_as_eager_on_gpu(fused_geglu, device, approximate, x, ones, ones):
+        return
     out, dgate, _ = fwd_bwd(
         partial(fused_geglu.geglu, approximate=approximate), [x, ones], ones
     )

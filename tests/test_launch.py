@@ -64,3 +64,19 @@ def test_refused_launcher_falls_back_to_triton(fused_geglu, monkeypatch):
     # Every call launched once, through Triton's own launch; the direct path is off.
     assert [c[0] for c in kernel.calls] == ["triton"] * 3
     assert fused_geglu.launch.direct_launch_works is False
+
+
+def test_toolkit_version_read_from_version_json_or_cuda_h(fused_geglu, tmp_path):
+    """Which CUDA toolkit's libdevice the kernels link (torch's major.minor only): the
+    version comes from version.json, else from cuda.h; a directory with neither is none."""
+    version_of = fused_geglu.launch._toolkit_version
+    json_root, header_root, empty = (tmp_path / n for n in ("json", "header", "empty"))
+    for root in (json_root, header_root / "include", empty):
+        root.mkdir(parents=True)
+    (json_root / "version.json").write_text('{"cuda": {"version": "13.0.88"}}')
+    (header_root / "include" / "cuda.h").write_text(
+        "#ifndef CUDA_H\n#define CUDA_VERSION 12080\n#endif\n"
+    )
+    assert version_of(str(json_root)) == "13.0"
+    assert version_of(str(header_root)) == "12.8"
+    assert version_of(str(empty)) is None

@@ -210,6 +210,61 @@ def test_families_benchmark(fused_geglu, device):
         assert row["speedup"] == 1.0 and row["max_abs_diff"] < 0.05, (name, row)
 
 
+def test_training_benchmark(fused_geglu, device, monkeypatch):
+    """compare.py's training section on small sizes (a smoke run: one step each instead of
+    the GPU timer and memory measure; torch.compile left out, inductor's CPU compile is
+    slow): every family's layer trains, dropout off, with eager's gradients, and so does
+    the Gemma MLP with frozen weights (the input's gradient only)."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    trained = []
+
+    def once(steps):
+        grads = {peer: step() for peer, step in steps.items()}
+        for got in grads.values():
+            torch.testing.assert_close(got, grads["eager"], rtol=1e-4, atol=1e-4)
+        trained.append((set(steps), len(grads["eager"])))
+        return {peer: (1.0, [1.0]) for peer in steps}
+
+    measured = []
+    result = compare.training(
+        fused_geglu, device, torch.float32, scale=32, timer=once,
+        memory=lambda step: measured.append(step) or 0.0,
+    )  # fmt: skip
+    frozen = "Gemma-2B MLP, frozen weights"
+    modules = compare.family_modules(fused_geglu, 32)
+    assert list(result) == [*modules, frozen]
+    params = {name: len(list(m[0].parameters())) for name, m in modules.items()}
+    liger = {"liger"} if lib.liger() else set()
+    for (names, n_grads), (name, row) in zip(trained, result.items(), strict=True):
+        assert set(row) == {"tokens", "hidden"} | names, name
+        if name == frozen:
+            assert names == {"eager", "ours"}
+        else:
+            gemma = liger if name == "Gemma-2B MLP" else set()
+            assert names == {"eager", "compile", "ours"} | gemma, name
+        assert n_grads == 1 + (0 if name == frozen else params[name]), name
+        for peer in names:
+            assert row[peer] == {"ms": 1.0, "rounds_ms": [1.0], "peak_extra_MiB": 0.0}
+    assert len(measured) == sum(len(names) for names, _ in trained)
+
+
+def test_render_linear_fwd_bwd():
+    """compare.py's Linear forward+backward rows render as a table; results written when
+    it timed one shape (``fwd_bwd_<MxNxK>_bias_ms``) as a sentence."""
+    result = render.load(max(render.RESULTS.glob("*-compare.json")))
+    forward, path = result["linear"]["forward"], render.RESULTS / "x-compare.json"
+    ms = {"eager": 2.0, "compile": 3.0, "ours": 1.0}
+    old = {"forward": forward, "fwd_bwd_8x16x32_bias_ms": ms}
+    text = " ".join(render.compare_section(path, result | {"linear": old}))
+    assert "at 8 x 16 x 32: fused-geglu 1.000 ms, eager 2.000 ms." in text
+    row = {"M": 8, "N": 16, "K": 32, "ours_vs_eager": 2.0}
+    row |= {peer: {"ms": t, "rounds_ms": [t]} for peer, t in ms.items()}
+    new = {"forward": forward, "fwd_bwd": [row]}
+    text = "\n".join(render.compare_section(path, result | {"linear": new}))
+    assert "| 8, 16, 32 | 1.000 | 2.000 | 3.000 | 2.00 |" in text
+    assert "fused-geglu 1.000 ms, eager" not in text
+
+
 def test_interleaved_ms(monkeypatch):
     """Peers are timed in interleaved rounds (the first peer timed alone read up to
     0.23 ms slow) and each one's median is reported."""

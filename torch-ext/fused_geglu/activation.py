@@ -3,14 +3,18 @@ kernels. Their host side is elementwise.py.
 
 GeLU variants (``APPROX_TANH`` picks one at compile time):
   exact: gelu(x) = 0.5 * x * (1 + erf(x / sqrt(2)))
-  tanh:  gelu(x) = 0.5 * x * (1 + tanh(u)) = x * sigmoid(2u),  u = k0 * (x + k1 * x^3),
-         k0 = sqrt(2/pi), k1 = 0.044715 (the sigmoid form avoids 1 + tanh(u) cancelling)
-
-Derivatives, with the product structure of PyTorch's ``gelu_backward`` so that NaN/Inf
-propagate as in eager (e.g. ``0 * inf`` gives NaN there too):
+  tanh:  gelu(x) = 0.5 * x * (1 + tanh(u)),  u = k0 * (x + k1 * x^3),
+         k0 = sqrt(2/pi), k1 = 0.044715
+Derivatives:
   exact: gelu'(x) = 0.5 * (1 + erf(x / sqrt(2))) + x * exp(-x^2 / 2) / sqrt(2 pi)
-  tanh:  t = tanh(k0 * (x + k1 x^3));
-         gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) * k0 (1 + 3 k1 x^2)
+  tanh:  t = tanh(u); gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) * k0 (1 + 3 k1 x^2)
+
+On the GPU these are PyTorch's CUDA ``gelu`` / ``gelu_backward`` expressions term for term,
+with the same constants (rounded to fp32 as C++ folds them), the same libdevice functions
+(``tanhf``, ``erff``, ``expf``) and the compile options of ``launch.COMPILE_OPTIONS``
+(Triton contracts ``a * b + c`` into an FMA where nvcc does): their results equal eager's
+bit for bit (docs/numerics.md). The interpreter has no libdevice; there tanh-GeLU is the
+sigmoid form ``x * sigmoid(2u)``, which does not cancel in ``1 + tanh(u)`` for x << 0.
 
 Rounding follows transformers' eager ``act_fn(gate) * up``: the activation is rounded to
 the input dtype before the multiply, and the product is rounded again; in backward the
@@ -18,16 +22,30 @@ product's gradient ``dy * up`` is rounded before ``gelu'`` is applied.
 """
 
 import math
+import struct
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+# libdevice exists only in compiled kernels: the interpreter takes the portable forms.
+EAGER_MATH = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to fp32, as C++ folds PyTorch's constexpr opmath_t constants."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
 
 # Globals read inside @triton.jit must be constexpr; kernels write them right of a tensor
 # (`x * C`): the interpreter's `C * x` wraps the tensor in a constexpr.
-SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
-INV_SQRT_2 = tl.constexpr(1.0 / math.sqrt(2.0))
-INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
-GELU_TANH_K1 = tl.constexpr(0.044715)
+# Each as PyTorch's CUDA kernels write it: M_SQRT2 * M_2_SQRTPI * 0.5 and so on.
+SQRT_2_OVER_PI = tl.constexpr(_f32(math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5))
+INV_SQRT_2 = tl.constexpr(_f32(1.0 / math.sqrt(2.0)))
+INV_SQRT_2PI = tl.constexpr(_f32(2.0 / math.sqrt(math.pi) / math.sqrt(2.0) * 0.5))
+GELU_TANH_K1 = tl.constexpr(_f32(0.044715))
+# 3 * k1 folded in fp32 (exact in double, then rounded once).
+GELU_TANH_3K1 = tl.constexpr(_f32(3.0 * _f32(0.044715)))
 
 
 @triton.jit
@@ -38,13 +56,24 @@ def _sigmoid_2x(u):
 
 
 @triton.jit
+def _tanh_inner(x):
+    # u = k0 * (x + k1 * x^3), with x^3 = (x * x) * x; x + k1 x^3 contracts to one FMA.
+    return (x + x * x * x * GELU_TANH_K1) * SQRT_2_OVER_PI
+
+
+@triton.jit
 def gelu(x, APPROX_TANH: tl.constexpr):
     """GeLU of an fp32 tensor."""
     if APPROX_TANH:
-        # 0.5 x (1 + tanh(u)) = x * sigmoid(2u)
-        return x * _sigmoid_2x((x + x * x * x * GELU_TANH_K1) * SQRT_2_OVER_PI)
+        if EAGER_MATH:
+            return (x * 0.5) * (1.0 + libdevice.tanh(_tanh_inner(x)))
+        else:
+            return x * _sigmoid_2x(_tanh_inner(x))
     else:
-        return 0.5 * x * (1.0 + tl.erf(x * INV_SQRT_2))
+        if EAGER_MATH:
+            return (x * 0.5) * (1.0 + libdevice.erf(x * INV_SQRT_2))
+        else:
+            return (x * 0.5) * (1.0 + tl.erf(x * INV_SQRT_2))
 
 
 @triton.jit
@@ -52,15 +81,23 @@ def gelu_grad(x, APPROX_TANH: tl.constexpr):
     """d gelu(x) / dx of an fp32 tensor (see the module docstring)."""
     if APPROX_TANH:
         x_sq = x * x
-        u = (x + x_sq * x * GELU_TANH_K1) * SQRT_2_OVER_PI
-        # 0.5 (1 + t) = s and 0.5 x (1 - t^2) = 2 x s (1 - s), with 1 - s = sigmoid(-2u).
-        s = _sigmoid_2x(u)
-        right_derivative = 2.0 * x * s * _sigmoid_2x(-u)
-        inner_derivative = (x_sq * (3.0 * GELU_TANH_K1) + 1.0) * SQRT_2_OVER_PI
-        return s + right_derivative * inner_derivative
+        inner_derivative = (1.0 + x_sq * GELU_TANH_3K1) * SQRT_2_OVER_PI
+        if EAGER_MATH:
+            t = libdevice.tanh((x + x_sq * x * GELU_TANH_K1) * SQRT_2_OVER_PI)
+            # left_derivative + left * tanh_derivative * inner_derivative
+            return (1.0 + t) * 0.5 + (x * 0.5) * (1.0 - t * t) * inner_derivative
+        else:
+            # 0.5 (1 + t) = s and 0.5 x (1 - t^2) = 2 x s (1 - s), 1 - s = sigmoid(-2u).
+            u = _tanh_inner(x)
+            s = _sigmoid_2x(u)
+            return s + 2.0 * x * s * _sigmoid_2x(-u) * inner_derivative
     else:
-        cdf = 0.5 * (1.0 + tl.erf(x * INV_SQRT_2))
-        pdf = tl.exp(-0.5 * x * x) * INV_SQRT_2PI
+        if EAGER_MATH:
+            cdf = (1.0 + libdevice.erf(x * INV_SQRT_2)) * 0.5
+            pdf = libdevice.exp(x * -0.5 * x) * INV_SQRT_2PI
+        else:
+            cdf = (1.0 + tl.erf(x * INV_SQRT_2)) * 0.5
+            pdf = tl.exp(x * -0.5 * x) * INV_SQRT_2PI
         return cdf + x * pdf
 
 

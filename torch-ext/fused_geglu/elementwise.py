@@ -140,7 +140,8 @@ def geglu_backward(
     rows = tuple(as_rows(t) for t in operands[:3]) + tuple(
         _rows_view(t) for t in operands[3:]
     )
-    if None in rows:  # an output whose rows no 2-D view describes
+    # `is`, not `None in rows`: that compares tensors with None, an exception each.
+    if any(r is None for r in rows):  # an output whose rows no 2-D view describes
         d, u = geglu_backward(dout, gate, up, approximate)
         return dgate.copy_(d), dup.copy_(u)
     launcher, grid, ints = _plan(geglu_bwd_kernel, tanh, rows, False)

@@ -70,7 +70,8 @@ def gemm_config(
     M <= 64 (decode): weight streaming; one row tile holds every token so each weight
     tile is read once; narrow outputs (fewer tiles than SMs) split K (``split_k``).
     TMA (Hopper/Blackwell, 16-bit, M > 64): 128x256x64 tiles, 8 warps, 3 stages (4
-    overflow shared memory); gated: a 128x(2x128) accumulator. ``extra_tiles`` (the
+    overflow shared memory), groups of 16 row tiles where N has 16 column tiles or more
+    (8 below: 8192 x 2048 x 16384 ran faster with 8); gated: a 128x(2x128) accumulator. ``extra_tiles`` (the
     backward's DACT prologue reads Z, ACCUMULATE reads C, a single GEMM stores its
     pre-activation): 128x128 tiles, chosen to fit 3 stages in 227 KB, not swept.
     Portable: 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages
@@ -93,7 +94,8 @@ def gemm_config(
     if tma and extra_tiles:  # a Z tile per stage or a C tile to add: 128x128 fits
         return GemmConfig(128, 128, 64, 8, 4, 3)
     if tma:  # 16-bit operands only
-        return GemmConfig(128, 128 if gated else 256, 64, 16 if gated else 8, 8, 3)
+        group_m = 16 if gated or N >= 4096 else 8
+        return GemmConfig(128, 128 if gated else 256, 64, group_m, 8, 3)
     return GemmConfig(
         128, 128, 64 if wide else 32, 8, 8 if gated else 4, 3 if gated else 4
     )
@@ -534,20 +536,30 @@ def geglu_mlp_small(
         else:
             out.copy_(bias_down.expand_as(out))
         return
-    dtype, device = x.dtype, x.device
     strides = (
         *stride_x, *w_gate.stride(), *w_up.stride(), *w_down.stride(), *_rows(out)[2],
         None if bias_gate is None else bias_gate.stride(0),
         None if bias_up is None else bias_up.stride(0),
         None if bias_down is None else bias_down.stride(0),
     )  # fmt: skip
+    grid, launcher = _mlp_plan(M, H, I, N, x.dtype, x.device, activation, strides)
+    sums, arrivals = stream_scratch(_MLP_SCRATCH, x.device, M * N, 1, True)
+    launcher(
+        grid, x, w_gate, w_up, w_down, bias_gate, bias_up, bias_down, out, sums,
+        arrivals, M, H, I, N, *strides,
+    )  # fmt: skip
+
+
+def _mlp_plan(M, H, I, N, dtype, device, activation: int, strides: tuple) -> tuple:
+    """(grid, launcher) of geglu_mlp_kernel; ``strides``: its stride arguments, None for
+    an absent bias."""
     key = (M, H, I, N, dtype, device, activation, strides)
     plan = _MLP_PLANS.get(key)
     if plan is None:
         cfg = mlp_config(H, I, dtype, device)
         constexprs = {
-            "HAS_BIAS": bias_gate is not None,
-            "HAS_DOWN_BIAS": bias_down is not None,
+            "HAS_BIAS": strides[-3] is not None,
+            "HAS_DOWN_BIAS": strides[-1] is not None,
             "ACTIVATION": activation,
             "EVEN_K": H % cfg["BLOCK_K"] == 0,
             "INPUT_PRECISION": _input_precision(dtype),
@@ -558,9 +570,53 @@ def geglu_mlp_small(
             cdiv(I, cfg["BLOCK_I"]),
             Launcher(geglu_mlp_kernel, constexprs),
         )
-    sums, arrivals = stream_scratch(_MLP_SCRATCH, device, M * N, 1, True)
-    grid, launcher = plan
-    launcher(
-        grid, x, w_gate, w_up, w_down, bias_gate, bias_up, bias_down, out, sums,
-        arrivals, M, H, I, N, *strides,
-    )  # fmt: skip
+    return plan
+
+
+class MLPLaunch:
+    """``geglu_mlp_small`` for one module's weights, with what depends only on them worked
+    out once: a call on a contiguous ``x`` of 1 to MLP_MAX_TOKENS rows, in the weights'
+    dtype and on their device (the caller's checks), allocates the output and launches.
+    The layers' decode path, where the host time of a call is the cost."""
+
+    __slots__ = ("activation", "device", "dtype", "hidden", "operands", "plans", "sizes",
+                 "strides")  # fmt: skip
+
+    def __init__(self, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: int):
+        (I, H), N = w_gate.shape, w_down.shape[0]
+        self.operands = (w_gate, w_up, w_down, b_gate, b_up, b_down)
+        self.dtype, self.device, self.activation = (
+            w_gate.dtype,
+            w_gate.device,
+            activation,
+        )
+        self.hidden, self.sizes = H, (H, I, N)
+        # Every stride argument after x's (H, 1): the weights', out's (N, 1), the biases'.
+        self.strides = (
+            *w_gate.stride(), *w_up.stride(), *w_down.stride(), N, 1,
+            *(None if b is None else b.stride(0) for b in (b_gate, b_up, b_down)),
+        )  # fmt: skip
+        self.plans = {}  # rows -> (grid, launcher): at most MLP_MAX_TOKENS entries
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        H, I, N = self.sizes
+        M = x.numel() // H
+        # empty_like: x's shape when N == H (the usual down projection), fewer steps
+        out = torch.empty_like(x) if N == H else x.new_empty((*x.shape[:-1], N))
+        plan = self.plans.get(M)
+        if plan is None:
+            plan = self.plans[M] = _mlp_plan(
+                M,
+                H,
+                I,
+                N,
+                self.dtype,
+                self.device,
+                self.activation,
+                (H, 1, *self.strides),
+            )
+        grid, launcher = plan
+        sums, arrivals = stream_scratch(_MLP_SCRATCH, self.device, M * N, 1, True)
+        launcher(grid, x, *self.operands, out, sums, arrivals, M, H, I, N, H, 1,
+                 *self.strides)  # fmt: skip
+        return out

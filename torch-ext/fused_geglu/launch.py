@@ -12,6 +12,10 @@ compiled kernel's launcher what ``JITFunction.run`` would. Misaligned pointers, 
 ``kernel[grid]`` every time.
 """
 
+import json
+import os
+import warnings
+
 import torch
 import triton
 from triton import knobs
@@ -19,6 +23,64 @@ from triton.runtime.jit import JITFunction
 
 # triton.jit picks the interpreter when a kernel is defined; read the knob once, here.
 INTERPRETED = triton.knobs.runtime.interpret
+
+
+def _toolkit_version(root: str) -> str | None:
+    """major.minor of the CUDA toolkit at ``root``: its version.json, else its cuda.h."""
+    try:
+        with open(os.path.join(root, "version.json")) as f:
+            return ".".join(json.load(f)["cuda"]["version"].split(".")[:2])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    try:
+        with open(os.path.join(root, "include", "cuda.h")) as f:
+            for line in f:
+                if line.startswith("#define CUDA_VERSION "):
+                    number = int(line.split()[2])  # 1000 * major + 10 * minor
+                    return f"{number // 1000}.{number % 1000 // 10}"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _toolkit_libdevice() -> str | None:
+    """The libdevice of the CUDA toolkit torch was built with (same major.minor), if one is
+    installed: eager's ``erff`` comes from it, and the one Triton bundles can differ (Triton
+    3.6's against CUDA 13.0's: one ulp at about 7 million of the 2^32 floats)."""
+    version = torch.version.cuda
+    if INTERPRETED or not version or torch.version.hip:
+        return None
+    roots = (
+        os.environ.get("CUDA_HOME"),
+        os.environ.get("CUDA_PATH"),
+        f"/usr/local/cuda-{version}",
+        f"/usr/local/cuda-{version.split('.')[0]}",
+        "/usr/local/cuda",
+    )
+    for root in filter(None, roots):
+        path = os.path.join(root, "nvvm", "libdevice", "libdevice.10.bc")
+        if _toolkit_version(root) == version and os.path.isfile(path):
+            return path
+    return None
+
+
+# Compile options of every kernel, so that the GeLU math rounds as PyTorch's CUDA kernels
+# (nvcc's defaults): a * b + c contracted into FMAs (Triton's default in 3.6, not in every
+# version), libdevice without flush-to-zero, and torch's toolkit libdevice where found.
+TOOLKIT_LIBDEVICE = _toolkit_libdevice()
+COMPILE_OPTIONS = (
+    {}
+    if INTERPRETED
+    else {
+        "enable_fp_fusion": True,
+        "enable_reflect_ftz": False,
+        **(
+            {"extern_libs": {"libdevice": TOOLKIT_LIBDEVICE}}
+            if TOOLKIT_LIBDEVICE
+            else {}
+        ),
+    }
+)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -118,7 +180,7 @@ class Launcher:
 
     def __init__(self, kernel, constexprs: dict):
         self.kernel = kernel
-        self.constexprs = constexprs
+        self.constexprs = {**COMPILE_OPTIONS, **constexprs}
         params = getattr(kernel, "params", ())
         self.values = tuple(constexprs[p.name] for p in params if p.is_constexpr)
         self.binary = None
@@ -161,19 +223,37 @@ class Launcher:
                 self.pointers, self.binary = pointers, binary
 
     def _launch_through_triton(self, grid: int, args: tuple):
-        constexprs = self.constexprs
         key = (id(self.kernel), self.values)
-        stages = _STAGES_THAT_FIT.get(key, constexprs["num_stages"])
+        stages = _STAGES_THAT_FIT.get(key, self.constexprs["num_stages"])
         while True:
             try:
                 return self.kernel[(grid,)](
-                    *args, **{**constexprs, "num_stages": stages}
+                    *args, **{**self.constexprs, "num_stages": stages}
                 )
             except triton.runtime.errors.OutOfResources:
                 if stages == 1:
                     raise
                 stages -= 1
                 _STAGES_THAT_FIT[key] = stages
+            except Exception:
+                # A toolkit libdevice this Triton's LLVM cannot link: Triton's own.
+                if "extern_libs" not in self.constexprs:
+                    raise
+                _drop_toolkit_libdevice()
+                self.constexprs = {**self.constexprs}
+                del self.constexprs["extern_libs"]
+
+
+def _drop_toolkit_libdevice() -> None:
+    global TOOLKIT_LIBDEVICE
+    if COMPILE_OPTIONS.pop("extern_libs", None) is not None:
+        warnings.warn(
+            f"fused_geglu: Triton could not link {TOOLKIT_LIBDEVICE}; its own libdevice "
+            "is used, and the exact GeLU can differ from eager's by one ulp",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    TOOLKIT_LIBDEVICE = None
 
 
 def _stream_getters() -> tuple:

@@ -50,7 +50,8 @@ def _empty(
     return like.new_empty(shape, dtype=dtype)
 
 
-_profiler_enabled = torch.autograd._profiler_enabled
+# Whether a profiler records: eager calls then run inside a record_function named for the op.
+profiler_enabled = torch.autograd._profiler_enabled
 
 
 def dispatched(t: torch.Tensor) -> bool:
@@ -89,7 +90,7 @@ class KernelOp:
 
     def eager(self, *args):
         """The implementation, for plain tensors outside torch.compile."""
-        if _profiler_enabled():
+        if profiler_enabled():
             with torch.profiler.record_function(self.name):
                 return self.impl(*args)
         return self.impl(*args)

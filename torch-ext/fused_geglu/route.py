@@ -21,7 +21,6 @@ A layer runs our kernels only where they reproduce the module's forward. Anywher
 runs the module's own forward and warns once, naming the reason.
 """
 
-import functools
 import importlib
 import inspect
 import sys
@@ -36,7 +35,14 @@ from torch import nn
 
 from . import autograd, library
 from .checks import PLAIN_TENSORS, SUPPORTED_DTYPES, is_dtensor, kernels_run_on
-from .gemm import MLP_MAX_TOKENS, NO_ACT, tma_applies, tma_tiles_fill_gpu
+from .gemm import (
+    MLP_MAX_TOKENS,
+    NO_ACT,
+    MLPLaunch,
+    gelu_code,
+    tma_applies,
+    tma_tiles_fill_gpu,
+)
 from .launch import has_tma
 
 
@@ -188,9 +194,11 @@ class Family:
     # bytecode (a copy, e.g. Gemma2MLP of GemmaMLP) is reproduced too.
     references: tuple[str, ...]
 
-    @functools.cached_property
+    @property
     def children(self) -> tuple[str, ...]:
-        """The submodules a route reads."""
+        """The submodules a route reads (a plain property: torch.compile replays a
+        cached_property's first write into the instance dict, and a guard on that dict
+        then fails on the next call, recompiling)."""
         return tuple(n for n in (*self.projections, self.down, self.act) if n)
 
     def reproduces(self, cls: type) -> bool:
@@ -247,8 +255,10 @@ class ModuleRoute:
     fusable: tuple | None = None  # their local (weight, bias) pairs for the dual GEMM
     down: nn.Module | None = None
     down_operands: tuple | None = None  # the down projection's (weight, bias)
-    # (w_gate, w_up, w_down, b_gate, b_up, b_down) for the MLP in one launch
+    # (w_gate, w_up, w_down, b_gate, b_up, b_down) for the MLP in one launch, and its
+    # launch prepared for them (eager routes: built outside torch.compile)
     mlp: tuple | None = None
+    mlp_launch: MLPLaunch | None = None
     warned: set = field(default_factory=set)  # the reasons already warned of (eager)
 
 
@@ -447,6 +457,8 @@ def module_route(module: nn.Module, family: Family) -> ModuleRoute:
             weakref.finalize(module, _ROUTES.pop, id(module), None)
         watched = _watched(module, family)
         route = _ROUTES[id(module)] = _new_route(module, family, watched)
+        if route.mlp is not None and route.mlp[0].numel() and route.mlp[2].shape[0]:
+            route.mlp_launch = MLPLaunch(*route.mlp, gelu_code(route.approximate))
     return route
 
 
@@ -490,24 +502,25 @@ def mlp_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None = 
     holds only weights the dual GEMM takes, so an ``x`` of their dtype and device, of a
     plain type, outside autocast and torch.func transforms, meets the rest of
     ``fuse_projections`` and ``input_reason``."""
-    mlp = route.mlp
-    if mlp is None:
+    launch = route.mlp_launch
+    if launch is None:
         return None
-    w_gate = mlp[0]
     if (
         type(x) is not torch.Tensor
-        or x.dtype is not w_gate.dtype
+        or x.dtype is not launch.dtype
         or x.dim() == 0
-        or x.shape[-1] != w_gate.shape[1]
-        or x.device != w_gate.device
-        or autograd.needs_grad(x, *mlp)
+        or x.shape[-1] != launch.hidden
+        or x.device != launch.device
+        or autograd.needs_grad(x, *launch.operands)
         or not mlp_in_one_launch(x)
-        or torch.is_autocast_enabled(x.device.type)
+        or torch.is_autocast_enabled(launch.device.type)
         or autograd.transforms_active()
         or not (dropout is None or _is_identity(dropout))
     ):
         return None
-    return library.geglu_mlp.eager(x, *mlp, route.approximate)
+    if x.is_contiguous() and not library.profiler_enabled():
+        return launch(x)
+    return library.geglu_mlp.eager(x, *launch.operands, route.approximate)
 
 
 def _is_identity(dropout: nn.Module) -> bool:

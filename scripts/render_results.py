@@ -174,9 +174,32 @@ def compare_section(path: Path, result: dict) -> list[str]:
         f"MLP forward+backward at {FWD_BWD_TOKENS} tokens (peak extra memory in "
         f"parentheses): " + ", ".join(parts) + "."
     )
+    if "training" in result:
+        lines += training_section(result["training"])
     if "host" in result:
         lines += host_section(result["host"])
     return lines
+
+
+def training_section(training: dict) -> list[str]:
+    """compare.py's training step per family: ms (peak extra MiB) per peer."""
+    peers = list(dict.fromkeys(p for r in training.values() for p in r if p in PEERS))
+    lines = paragraph(
+        "Training step (forward and backward, input and parameters trainable, dropout "
+        "p = 0), bfloat16, each family's feed-forward at one real size (the frozen row: "
+        "only the input trainable): ms, and peak extra MiB in parentheses; "
+        "interleaved rounds, medians."
+    )
+    rows = [
+        [f"{name} ({r['tokens']} tokens)"]
+        + [
+            f"{ms(r[p]['ms'])} ({r[p]['peak_extra_MiB']:.0f})" if p in r else "-"
+            for p in peers
+        ]
+        for name, r in training.items()
+    ]
+    names = PEERS | {"ours": "fused-geglu layer"}
+    return lines + table([""] + [names[p] for p in peers], rows) + [""]
 
 
 def host_section(host: dict) -> list[str]:

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from conftest import HAS_GPU, ROOT, run_python
 from reference import (
     assert_same_bits,
+    assert_within_erff_ulp,
+    bit_for_bit,
     cast,
     check_against_float64,
     dtype_slack,
@@ -508,12 +510,15 @@ TAIL = [-12.0, -10.0, -8.0]
 def _tail_as_eager_on_gpu(fused_geglu, device, approximate, gate, up, dy) -> bool:
     """On the GPU the kernels compute eager's expressions (test_bit_for_bit_eager_on_gpu):
     the tail is eager's, bit for bit. Returns whether that was the check made."""
-    if device != "cuda":
+    if device != "cuda" or torch.version.hip is not None:
         return False
     ours = fwd_bwd(partial(fused_geglu.geglu, approximate=approximate), [gate, up], dy)
     eager = fwd_bwd(partial(eager_geglu, approximate=approximate), [gate, up], dy)
     for name, a, b in zip(("out", "d gate", "d up"), ours, eager):
-        assert_same_bits(a, b, f"{approximate} {name}")
+        if bit_for_bit(fused_geglu, approximate):
+            assert_same_bits(a, b, f"{approximate} {name}")
+        else:
+            assert_within_erff_ulp(a, b, gate, up, dy, name)
     return True
 
 

@@ -1,8 +1,10 @@
 """The launch machinery's own logic (launch.Launcher), on fake kernels: the direct launch
-after the first, and the fallback to Triton's launch where the launcher refuses the call."""
+after the first, the fallback to Triton's launch where the launcher refuses the call, and
+to Triton's libdevice where the toolkit's cannot be linked."""
 
 import types
 
+import pytest
 import torch
 
 
@@ -13,13 +15,17 @@ class FakeKernel:
 
     function, packed_metadata = "function", "metadata"
 
-    def __init__(self, launcher_refuses: bool):
+    def __init__(self, launcher_refuses: bool = False, compile_error=None):
         self.params = [types.SimpleNamespace(name="BLOCK", is_constexpr=True)]
         self.calls = []
         self.launcher_refuses = launcher_refuses
+        # compile_error(constexprs): the exception Triton's launch raises, or None
+        self.compile_error = compile_error or (lambda constexprs: None)
 
     def __getitem__(self, grid):
         def run(*args, **constexprs):
+            if (error := self.compile_error(constexprs)) is not None:
+                raise error
             self.calls.append(("triton", grid, args, constexprs))
             return self
 
@@ -80,3 +86,52 @@ def test_toolkit_version_read_from_version_json_or_cuda_h(fused_geglu, tmp_path)
     assert version_of(str(json_root)) == "13.0"
     assert version_of(str(header_root)) == "12.8"
     assert version_of(str(empty)) is None
+
+
+@pytest.fixture
+def toolkit_libdevice(fused_geglu, monkeypatch):
+    """A toolkit libdevice in the compile options, as on a CUDA machine that has one."""
+    launch = fused_geglu.launch
+    path = "/usr/local/cuda-99.0/nvvm/libdevice/libdevice.10.bc"
+    monkeypatch.setattr(launch, "TOOLKIT_LIBDEVICE", path)
+    monkeypatch.setattr(launch, "COMPILE_OPTIONS", {"extern_libs": {"libdevice": path}})
+    return launch
+
+
+def test_unlinkable_toolkit_libdevice_falls_back_to_tritons(
+    fused_geglu, monkeypatch, toolkit_libdevice
+):
+    """A launch that fails with the toolkit's libdevice and succeeds without it: it warns,
+    and this and every later launcher compile without it."""
+
+    def refuses_bitcode(constexprs):
+        if "extern_libs" in constexprs:
+            return RuntimeError("bitcode too new for this LLVM")
+        return None
+
+    kernel = FakeKernel(compile_error=refuses_bitcode)
+    launcher = launcher_for(fused_geglu, monkeypatch, kernel)
+    assert "extern_libs" in launcher.constexprs
+    with pytest.warns(RuntimeWarning, match="could not link .*bitcode too new"):
+        launcher(2, torch.zeros(8), 7)
+    assert [c[0] for c in kernel.calls] == ["triton"]
+    assert "extern_libs" not in kernel.calls[0][3]
+    assert toolkit_libdevice.TOOLKIT_LIBDEVICE is None
+    assert "extern_libs" not in toolkit_libdevice.COMPILE_OPTIONS
+    assert (
+        "extern_libs" not in launcher_for(fused_geglu, monkeypatch, kernel).constexprs
+    )
+
+
+def test_other_compile_errors_keep_the_toolkit_libdevice(
+    fused_geglu, monkeypatch, toolkit_libdevice
+):
+    """An error that the launch without the toolkit's libdevice raises too is raised as
+    it was, and the toolkit's libdevice stays."""
+    kernel = FakeKernel(compile_error=lambda constexprs: ValueError("a real bug"))
+    launcher = launcher_for(fused_geglu, monkeypatch, kernel)
+    with pytest.raises(ValueError, match="a real bug"):
+        launcher(2, torch.zeros(8), 7)
+    assert toolkit_libdevice.TOOLKIT_LIBDEVICE is not None
+    assert "extern_libs" in toolkit_libdevice.COMPILE_OPTIONS
+    assert "extern_libs" in launcher.constexprs

@@ -349,6 +349,42 @@ def test_mlp_one_launch_cuda_graph(fused_geglu, device, monkeypatch):
     assert _scratch_is_zero(fused_geglu)
 
 
+def test_layer_one_launch_after_weights_change_in_place(
+    fused_geglu, device, monkeypatch
+):
+    """The layer's prepared one launch follows its module: weights pruned in place
+    (``weight.data`` a view of the same storage: the same pointer, a new shape), a
+    non-contiguous input, and a profiler (the op then runs under its record_function)."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    dtype, layer = torch.float16, fused_geglu.layers.GeGLUMLP
+    mlp = GemmaMLP(
+        GemmaConfig(
+            hidden_size=64, intermediate_size=96, hidden_act="gelu_pytorch_tanh"
+        )
+    ).to(device, dtype)
+    launched = spy_launches(fused_geglu, monkeypatch)
+
+    def check(x, what):
+        with torch.no_grad():
+            out = layer.forward(mlp, x)
+            ref = copy.deepcopy(mlp).double()(x.double())
+            floor = reference.accumulation_floor(ref, mlp.gate_proj.out_features)
+            assert_close_to_ref(out, ref, mlp(x), floor=floor, what=what)
+        assert launched == ["geglu_mlp_kernel"], what
+        launched.clear()
+
+    check(torch.randn(2, 64, dtype=dtype, device=device), "before")
+    for proj in (mlp.gate_proj, mlp.up_proj):
+        proj.weight.data = proj.weight.data[:48]
+    mlp.down_proj.weight.data = mlp.down_proj.weight.data[:, :48]
+    check(torch.randn(2, 64, dtype=dtype, device=device), "pruned to 48 in place")
+    check(torch.randn(64, 2, dtype=dtype, device=device).t(), "a transposed input")
+    with torch.profiler.profile():
+        check(torch.randn(2, 64, dtype=dtype, device=device), "under a profiler")
+
+
 def test_layers_one_launch(fused_geglu, device, monkeypatch):
     """The layers take the one launch in inference at a few tokens, and keep the module's
     forward where a dropout between activation and down projection is active (T5 in

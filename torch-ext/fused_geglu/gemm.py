@@ -70,8 +70,9 @@ def gemm_config(
     M <= 64 (decode): weight streaming; one row tile holds every token so each weight
     tile is read once; narrow outputs (fewer tiles than SMs) split K (``split_k``).
     TMA (Hopper/Blackwell, 16-bit, M > 64): 128x256x64 tiles, 8 warps, 3 stages (4
-    overflow shared memory), groups of 16 row tiles where N has 16 column tiles or more
-    (8 below: 8192 x 2048 x 16384 ran faster with 8); gated: a 128x(2x128) accumulator. ``extra_tiles`` (the
+    overflow shared memory), GROUP_M 16 where N >= 4096 (16 or more 256-wide column
+    tiles; 8 below: 8192 x 2048 x 16384 ran faster with 8); gated: a 128x(2x128)
+    accumulator, GROUP_M 16. ``extra_tiles`` (the
     backward's DACT prologue reads Z, ACCUMULATE reads C, a single GEMM stores its
     pre-activation): 128x128 tiles, chosen to fit 3 stages in 227 KB, not swept.
     Portable: 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages

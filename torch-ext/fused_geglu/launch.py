@@ -64,13 +64,16 @@ def _toolkit_libdevice() -> str | None:
     return None
 
 
-# Compile options of every kernel, so that the GeLU math rounds as PyTorch's CUDA kernels
-# (nvcc's defaults): a * b + c contracted into FMAs (Triton's default in 3.6, not in every
-# version), libdevice without flush-to-zero, and torch's toolkit libdevice where found.
-TOOLKIT_LIBDEVICE = _toolkit_libdevice()
+# Compile options of every kernel on CUDA, so that the GeLU math rounds as PyTorch's CUDA
+# kernels (nvcc's defaults): a * b + c contracted into FMAs (Triton's default in 3.6, not
+# in every version), libdevice without flush-to-zero, and torch's toolkit libdevice where
+# found, unless the user points Triton at one (TRITON_LIBDEVICE_PATH). Other backends'
+# options have neither field (Triton refuses unknown options).
+_USER_LIBDEVICE = getattr(getattr(knobs, "nvidia", None), "libdevice_path", None)
+TOOLKIT_LIBDEVICE = None if _USER_LIBDEVICE else _toolkit_libdevice()
 COMPILE_OPTIONS = (
     {}
-    if INTERPRETED
+    if INTERPRETED or not torch.version.cuda or torch.version.hip
     else {
         "enable_fp_fusion": True,
         "enable_reflect_ftz": False,
@@ -235,24 +238,37 @@ class Launcher:
                     raise
                 stages -= 1
                 _STAGES_THAT_FIT[key] = stages
-            except Exception:
-                # A toolkit libdevice this Triton's LLVM cannot link: Triton's own.
+            except Exception as error:
                 if "extern_libs" not in self.constexprs:
                     raise
-                _drop_toolkit_libdevice()
-                self.constexprs = {**self.constexprs}
-                del self.constexprs["extern_libs"]
+                return self._launch_without_toolkit_libdevice(grid, args, stages, error)
+
+    def _launch_without_toolkit_libdevice(self, grid, args, stages, error):
+        """The launch again with Triton's own libdevice: where it succeeds, the toolkit's
+        was what failed (bitcode this Triton's LLVM cannot link), and no later kernel
+        takes it; where it fails too, ``error`` was not about libdevice."""
+        without = {k: v for k, v in self.constexprs.items() if k != "extern_libs"}
+        try:
+            binary = self.kernel[(grid,)](*args, **{**without, "num_stages": stages})
+        except Exception:  # noqa: BLE001 (a failing retry: error was not about libdevice)
+            raise error from None
+        _drop_toolkit_libdevice(error)
+        self.constexprs = without
+        return binary
 
 
-def _drop_toolkit_libdevice() -> None:
-    global TOOLKIT_LIBDEVICE
-    if COMPILE_OPTIONS.pop("extern_libs", None) is not None:
-        warnings.warn(
-            f"fused_geglu: Triton could not link {TOOLKIT_LIBDEVICE}; its own libdevice "
-            "is used, and the exact GeLU can differ from eager's by one ulp",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+def _drop_toolkit_libdevice(error: Exception) -> None:
+    global COMPILE_OPTIONS, TOOLKIT_LIBDEVICE
+    if TOOLKIT_LIBDEVICE is None:
+        return
+    warnings.warn(
+        f"fused_geglu: Triton could not link {TOOLKIT_LIBDEVICE} ({error!r}); kernels "
+        "compiled from now on use Triton's own libdevice, whose erff can differ from "
+        "eager's by one ulp (docs/numerics.md)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    COMPILE_OPTIONS = {k: v for k, v in COMPILE_OPTIONS.items() if k != "extern_libs"}
     TOOLKIT_LIBDEVICE = None
 
 

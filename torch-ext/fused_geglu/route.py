@@ -283,10 +283,11 @@ def _plain_linear_operands(m: nn.Module) -> tuple | None:
 
 def _watched(module: nn.Module, family: Family) -> tuple:
     """Everything a route depends on: the module's class and, per submodule, the module,
-    its weight and the weight's data pointer (``module.to()`` swaps a parameter's data in
-    place: cached views would be stale), its bias, whether it has hooks, and the id of an
-    instance-level (patched) forward (not the function: it may hold the parent module).
-    ``_unchanged`` compares them on every call."""
+    its weight and the weight's data pointer, shape and strides (``module.to()`` or
+    pruning swap a parameter's data in place: cached views and the prepared launch's sizes
+    would be stale), its bias, whether it has hooks, and the id of an instance-level
+    (patched) forward (not the function: it may hold the parent module). ``_unchanged``
+    compares them on every call."""
     mods = module._modules
     children = []
     for name in family.children:
@@ -296,7 +297,12 @@ def _watched(module: nn.Module, family: Family) -> tuple:
             continue
         params = m._parameters
         weight = params.get("weight")
-        ptr = weight.data_ptr() if type(weight) in PLAIN_TENSORS else None
+        # (pointer, shape, strides) of a local weight
+        ptr = (
+            (weight.data_ptr(), weight.shape, weight.stride())
+            if type(weight) in PLAIN_TENSORS
+            else None
+        )
         hooked = bool(m._forward_hooks or m._forward_pre_hooks)
         children.append(
             (
@@ -328,7 +334,14 @@ def _unchanged(module: nn.Module, watched: tuple) -> bool:
         if (
             params.get("weight") is not weight
             or params.get("bias") is not bias
-            or (ptr is not None and weight.data_ptr() != ptr)
+            or (
+                ptr is not None
+                and (
+                    weight.data_ptr() != ptr[0]
+                    or weight.shape != ptr[1]
+                    or weight.stride() != ptr[2]
+                )
+            )
             or bool(m._forward_hooks or m._forward_pre_hooks) is not hooked
             or id(m.__dict__.get("forward")) != forward
         ):

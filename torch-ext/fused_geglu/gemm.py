@@ -145,15 +145,23 @@ def _input_precision(dtype: torch.dtype) -> str:
 
 
 def stream_scratch(
-    store: dict, device: torch.device, numel: int, counters: int, zeroed: bool
+    store: dict,
+    device: torch.device,
+    numel: int,
+    counters: int,
+    zeroed: bool,
+    capturing: bool | None = None,
 ) -> tuple:
     """(fp32 workspace of at least ``numel``, zeroed int32 counters), kept in ``store`` per
     (device, stream) and reused: launches on one stream run in order, and the kernels
     leave the counters zero (and a ``zeroed`` workspace zero) for the next. Inside a CUDA
     graph capture, fresh ones (memset nodes): the graph may replay on any stream, beside
-    other work of the capture stream."""
+    other work of the capture stream. ``capturing``: whether a capture is on, where the
+    caller knows (None: asked here)."""
     workspace = torch.zeros if zeroed else torch.empty
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing is None:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing:
         return (
             workspace(numel, dtype=torch.float32, device=device),
             torch.zeros(counters, dtype=torch.int32, device=device),
@@ -577,8 +585,9 @@ def _mlp_plan(M, H, I, N, dtype, device, activation: int, strides: tuple) -> tup
 class MLPLaunch:
     """``geglu_mlp_small`` for one module's weights, with what depends only on them worked
     out once: a call on a contiguous ``x`` of 1 to MLP_MAX_TOKENS rows, in the weights'
-    dtype and on their device (the caller's checks), allocates the output and launches.
-    The layers' decode path, where the host time of a call is the cost."""
+    dtype and on their device, outside a CUDA graph capture (the caller's checks:
+    route.mlp_in_one_launch), allocates the output and launches. The layers' decode path,
+    where the host time of a call is the cost."""
 
     __slots__ = ("activation", "device", "dtype", "hidden", "operands", "plans", "sizes",
                  "strides")  # fmt: skip
@@ -606,18 +615,12 @@ class MLPLaunch:
         out = torch.empty_like(x) if N == H else x.new_empty((*x.shape[:-1], N))
         plan = self.plans.get(M)
         if plan is None:
-            plan = self.plans[M] = _mlp_plan(
-                M,
-                H,
-                I,
-                N,
-                self.dtype,
-                self.device,
-                self.activation,
-                (H, 1, *self.strides),
-            )
+            fixed = (self.dtype, self.device, self.activation, (H, 1, *self.strides))
+            plan = self.plans[M] = _mlp_plan(M, H, I, N, *fixed)
         grid, launcher = plan
-        sums, arrivals = stream_scratch(_MLP_SCRATCH, self.device, M * N, 1, True)
+        sums, arrivals = stream_scratch(
+            _MLP_SCRATCH, self.device, M * N, 1, True, capturing=False
+        )
         launcher(grid, x, *self.operands, out, sums, arrivals, M, H, I, N, H, 1,
                  *self.strides)  # fmt: skip
         return out

@@ -58,6 +58,16 @@ def _grouped_tile(
 
 
 @triton.jit
+def _k_step_masks(mask_m, mask_n, offs_k, k_left, EVEN_K: tl.constexpr):
+    """Masks of one K step's [BLOCK_M, BLOCK_K] row tile and [BLOCK_K, BLOCK_N] weight
+    tile; ``k_left``: the K columns from this step on (no K mask when K divides evenly)."""
+    if EVEN_K:
+        return mask_m[:, None], mask_n[None, :]
+    k_mask = offs_k < k_left
+    return mask_m[:, None] & k_mask[None, :], mask_n[None, :] & k_mask[:, None]
+
+
+@triton.jit
 def _dact_prologue(a, z, DACT: tl.constexpr):
     # round(dY * act'(Z)), as eager's gelu_backward output, before the product.
     return (a.to(tl.float32) * gelu_grad(z.to(tl.float32), DACT == 2)).to(a.dtype)
@@ -227,13 +237,7 @@ def gemm_kernel(
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(k_first, k_end):
-        if EVEN_K:
-            a_mask = mask_m[:, None]
-            b_mask = mask_n[None, :]
-        else:
-            k_mask = offs_k < K - k * BLOCK_K
-            a_mask = mask_m[:, None] & k_mask[None, :]
-            b_mask = mask_n[None, :] & k_mask[:, None]
+        a_mask, b_mask = _k_step_masks(mask_m, mask_n, offs_k, K - k * BLOCK_K, EVEN_K)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         if DACT != 0:
@@ -420,13 +424,7 @@ def geglu_mlp_kernel(
     acc_gate = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
     for k in range(tl.cdiv(H, BLOCK_K)):
-        if EVEN_K:
-            x_mask = mask_m[:, None]
-            w_mask = mask_i[None, :]
-        else:
-            k_mask = offs_k < H - k * BLOCK_K
-            x_mask = mask_m[:, None] & k_mask[None, :]
-            w_mask = mask_i[None, :] & k_mask[:, None]
+        x_mask, w_mask = _k_step_masks(mask_m, mask_i, offs_k, H - k * BLOCK_K, EVEN_K)
         a = tl.load(x_ptrs, mask=x_mask, other=0.0)
         acc_gate = _dot(
             a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_gate, INPUT_PRECISION

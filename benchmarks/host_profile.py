@@ -60,6 +60,44 @@ def mlp_us_in_generate(models: dict, ids, gen: dict, rounds: int = 5) -> dict:
     return {name: statistics.median(us) for name, us in per_round.items()}
 
 
+def breakdown(mlp, x) -> dict:
+    """Host µs of the pieces of one kernelized MLP call at 1 token (``mlp``: a kernelized
+    GemmaMLP, its route prepared), beside eager's single ops for scale."""
+    # the package kernelize loaded (not necessarily lib.load_ours()'s module objects)
+    layers = sys.modules[mlp.forward.__func__.__module__]
+    package = layers.__name__.rpartition(".")[0]
+    route_module, gemm = (sys.modules[f"{package}.{m}"] for m in ("route", "gemm"))
+    route_of, family = route_module.module_route, layers.GEMMA_MLP
+    route = route_of(mlp, family)
+    launch = route.mlp_launch
+    grid, launcher = launch.plans[1]
+    out = torch.empty_like(x)
+    sums, arrivals = gemm.stream_scratch(
+        gemm._MLP_SCRATCH, x.device, out.numel(), 1, True, capturing=False
+    )
+    H, I, N = launch.sizes
+    args = (x, *launch.operands, out, sums, arrivals, 1, H, I, N, H, 1, *launch.strides)
+    binary = launcher.binary
+    stream = torch.cuda.current_stream().cuda_stream
+    run_args = (grid, 1, 1, stream, binary.function, binary.packed_metadata, None, None)
+    run_args += (None, *args, *launcher.values)
+    pieces = {
+        "layer call": lambda: mlp(x),
+        "layer forward (no Module.__call__)": lambda: mlp.forward(x),
+        "module_route": lambda: route_of(mlp, family),
+        "mlp_output": lambda: route_module.mlp_output(route, x),
+        "prepared launch": lambda: launch(x),
+        "Launcher call": lambda: launcher(grid, *args),
+        "Triton launcher (binary.run)": lambda: binary.run(*run_args),
+        "torch.empty_like": lambda: torch.empty_like(x),
+        "eager F.linear (down_proj shape)": lambda: torch.nn.functional.linear(
+            out, mlp.down_proj.weight[:, :H]
+        ),
+        "eager F.gelu": lambda: torch.nn.functional.gelu(x, approximate="tanh"),
+    }
+    return {name: round(us, 2) for name, us in lib.host_us(pieces).items()}
+
+
 def main(argv=None) -> int:
     lib.require_cuda("host_profile.py")
     parser = argparse.ArgumentParser(description=__doc__)
@@ -80,6 +118,9 @@ def main(argv=None) -> int:
             {"eager_mlp": lambda: mlp_eager(x), "ours_mlp": lambda: mlp_ours(x)}
         )
         print({name: round(v, 1) for name, v in us.items()})
+        print("pieces of one kernelized MLP call, host us:")
+        for name, us in breakdown(mlp_ours, x).items():
+            print(f"  {name}: {us}")
         in_loop = mlp_us_in_generate({"eager": eager, "ours": ours}, ids, gen)
         print("MLP host us per call inside generate():", in_loop)
         for name, model in (("eager", eager), ("ours", ours)):

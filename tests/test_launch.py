@@ -127,11 +127,20 @@ def test_other_compile_errors_keep_the_toolkit_libdevice(
     fused_geglu, monkeypatch, toolkit_libdevice
 ):
     """An error that the launch without the toolkit's libdevice raises too is raised as
-    it was, and the toolkit's libdevice stays."""
-    kernel = FakeKernel(compile_error=lambda constexprs: ValueError("a real bug"))
+    it was, with its cause (Triton's CompilationError carries the compiler's message
+    there), and the toolkit's libdevice stays."""
+    cause = TypeError("Return type mismatch")
+
+    def real_bug(constexprs):
+        error = ValueError("a real bug")
+        error.__cause__ = cause
+        return error
+
+    kernel = FakeKernel(compile_error=real_bug)
     launcher = launcher_for(fused_geglu, monkeypatch, kernel)
-    with pytest.raises(ValueError, match="a real bug"):
+    with pytest.raises(ValueError, match="a real bug") as raised:
         launcher(2, torch.zeros(8), 7)
+    assert raised.value.__cause__ is cause
     assert toolkit_libdevice.TOOLKIT_LIBDEVICE is not None
     assert "extern_libs" in toolkit_libdevice.COMPILE_OPTIONS
     assert "extern_libs" in launcher.constexprs

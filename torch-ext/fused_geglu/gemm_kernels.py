@@ -61,10 +61,15 @@ def _grouped_tile(
 def _k_step_masks(mask_m, mask_n, offs_k, k_left, EVEN_K: tl.constexpr):
     """Masks of one K step's [BLOCK_M, BLOCK_K] row tile and [BLOCK_K, BLOCK_N] weight
     tile; ``k_left``: the K columns from this step on (no K mask when K divides evenly)."""
+    # One return: Triton's code generator goes on past a return in a constexpr branch, and
+    # every return it meets must have one type (tests/test_compile.py).
     if EVEN_K:
-        return mask_m[:, None], mask_n[None, :]
-    k_mask = offs_k < k_left
-    return mask_m[:, None] & k_mask[None, :], mask_n[None, :] & k_mask[:, None]
+        row_mask, weight_mask = mask_m[:, None], mask_n[None, :]
+    else:
+        k_mask = offs_k < k_left
+        row_mask = mask_m[:, None] & k_mask[None, :]
+        weight_mask = mask_n[None, :] & k_mask[:, None]
+    return row_mask, weight_mask
 
 
 @triton.jit

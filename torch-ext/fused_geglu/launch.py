@@ -251,7 +251,9 @@ class Launcher:
         try:
             binary = self.kernel[(grid,)](*args, **{**without, "num_stages": stages})
         except Exception:  # noqa: BLE001 (a failing retry: error was not about libdevice)
-            raise error from None
+            binary = None
+        if binary is None:
+            raise error  # its own cause kept: a CompilationError's holds the message
         _drop_toolkit_libdevice(error)
         self.constexprs = without
         return binary

@@ -1,0 +1,200 @@
+"""Every kernel compiles for a Hopper GPU (CUDA sm_90) on this machine, GPU or not: Triton's
+whole pipeline down to a cubin, for the flag and tile combinations the host code launches.
+The interpreter runs a kernel's Python, not Triton's code generator, so a kernel that only
+the compiler refuses (a helper whose returns differ in type between constexpr branches)
+would otherwise first fail on a GPU."""
+
+import json
+
+from conftest import ROOT, run_python
+
+# Runs without TRITON_INTERPRET: the package imported as on a GPU machine (its GPU math and
+# configurations), each case compiled for GPUTarget("cuda", 90, 32). A case is a kernel and
+# its arguments: CPU tensors and ints stand for the launch's (what Triton specialises on:
+# dtypes, 16-byte alignment, values 1), descriptors from TensorDescriptor.from_tensor.
+_COMPILE_ALL = """
+import dataclasses, importlib.util, json, sys, time
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource, compile
+from triton.tools.tensor_descriptor import TensorDescriptor
+from triton._C.libtriton import native_specialize_impl
+
+tree = sys.argv[1] + "/build/torch-cuda"
+spec = importlib.util.spec_from_file_location(
+    "fused_geglu", tree + "/__init__.py", submodule_search_locations=[tree]
+)
+fg = importlib.util.module_from_spec(spec)
+sys.modules["fused_geglu"] = fg
+spec.loader.exec_module(fg)
+act, gk, gemm, ew = fg.activation, fg.gemm_kernels, fg.gemm, fg.elementwise
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = CUDABackend(TARGET)
+bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def compiled(kernel, args: dict, constexprs: dict, options: dict) -> None:
+    signature, values = {}, {}
+    for i, p in enumerate(kernel.params):
+        if p.is_constexpr:
+            signature[p.name], values[(i,)] = "constexpr", constexprs[p.name]
+            continue
+        value = args[p.name]
+        if value is None:
+            signature[p.name], values[(i,)] = "constexpr", None
+            continue
+        # (type, specialisation); an int equal to 1 becomes the constexpr 1, as in a launch
+        kind, _ = native_specialize_impl(BACKEND, value, False, True, True)
+        signature[p.name] = kind
+        if kind == "constexpr":
+            values[(i,)] = value
+    src = ASTSource(fn=kernel, signature=signature, constexprs=values)
+    binary = compile(src, target=TARGET, options=options)
+    assert binary.asm["cubin"], "no cubin"
+
+
+def t(*shape, dtype=bf16):
+    return torch.zeros(shape, dtype=dtype)
+
+
+def elementwise(kernel, n_tensors, dtype, tanh, tile, int64):
+    block_m, block_n, warps = tile
+    names = [p.name for p in kernel.params if not p.is_constexpr]
+    args = {n: (t(64, dtype=dtype) if n.endswith("_ptr") else 1 << 20) for n in names}
+    args |= {"M": 4096, "N": 256}
+    consts = {"APPROX_TANH": tanh, "BLOCK_M": block_m, "BLOCK_N": block_n,
+              "INT64": int64}
+    return kernel, args, consts, {"num_warps": warps}
+
+
+def portable_gemm(M, N, K, dtype, epi, split=1):
+    cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, False, False)
+    names = [p.name for p in gk.gemm_kernel.params if not p.is_constexpr]
+    args = {n: None for n in names}
+    args |= {"a_ptr": t(64, dtype=dtype), "b_ptr": t(64, dtype=dtype),
+             "c_ptr": t(64, dtype=dtype), "M": M, "N": N, "K": K}
+    args |= {n: 4096 for n in names if n.startswith("stride_")}
+    args |= {"stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "stride_buk": 1,
+             "stride_zk": 1, "stride_bias": 1, "stride_bias_up": 1}
+    if epi.gated:
+        args["b_up_ptr"] = t(64, dtype=dtype)
+    if epi.has_bias:
+        args["bias_ptr"] = t(64, dtype=dtype)
+        args["bias_up_ptr"] = t(64, dtype=dtype) if epi.gated else None
+    if epi.store_preact:
+        args["preact_ptr"] = t(64, dtype=dtype)
+        args["preact_up_ptr"] = t(64, dtype=dtype) if epi.gated else None
+    if epi.dact:
+        args["z_ptr"] = t(64, dtype=dtype)
+    if epi.bias_grad:
+        args["bias_grad_ptr"] = t(64, dtype=fp32)
+    if split > 1:
+        args["ws_ptr"], args["counters_ptr"] = t(64, dtype=fp32), t(64, dtype=torch.int32)
+    consts = {**epi.constexprs(), **cfg.constexprs(), "SPLIT_K": split,
+              "EVEN_K": K % cfg.block_k == 0,
+              "INPUT_PRECISION": gemm._input_precision(dtype)}
+    options = {k: consts.pop(k) for k in ("num_warps", "num_stages")}
+    return gk.gemm_kernel, args, consts, options
+
+
+def tma_gemm(M, N, K, dtype, epi, a_t=False, b_t=False):
+    extra = epi.dact != gemm.NO_ACT or epi.accumulate or (epi.store_preact and not epi.gated)
+    cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, True, extra)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    a_block = [bk, bm] if a_t else [bm, bk]
+    if epi.gated:
+        b_desc = TensorDescriptor.from_tensor(t(2, N, K, dtype=dtype), [2, bn, bk])
+    else:
+        b_desc = TensorDescriptor.from_tensor(t(N, K, dtype=dtype),
+                                              [bk, bn] if b_t else [bn, bk])
+    args = {
+        "a_desc": TensorDescriptor.from_tensor(t(M, K, dtype=dtype), a_block),
+        "b_desc": b_desc,
+        "z_desc": TensorDescriptor.from_tensor(t(M, K, dtype=dtype), a_block)
+        if epi.dact else None,
+        "c_desc": TensorDescriptor.from_tensor(t(M, N, dtype=dtype), [bm, bn]),
+        "bias_ptr": t(64, dtype=dtype) if epi.has_bias else None,
+        "bias_up_ptr": t(64, dtype=dtype) if epi.has_bias and epi.gated else None,
+        "preact_ptr": t(64, dtype=dtype) if epi.store_preact else None,
+        "preact_up_ptr": t(64, dtype=dtype) if epi.store_preact and epi.gated else None,
+        "bias_grad_ptr": t(64, dtype=fp32) if epi.bias_grad else None,
+        "M": M, "N": N, "K": K, "stride_bias": 1, "stride_bias_up": 1,
+    }
+    consts = {**epi.constexprs(), **cfg.constexprs(), "A_T": a_t, "B_T": b_t,
+              "UP_FIRST": False, "INPUT_PRECISION": gemm._input_precision(dtype)}
+    options = {k: consts.pop(k) for k in ("num_warps", "num_stages")}
+    return gk.gemm_tma_kernel, args, consts, options
+
+
+def decode_mlp(H, I, N, dtype, bias):
+    cfg = {"BLOCK_I": 128, "BLOCK_K": 128 if dtype != fp32 else 64, "BLOCK_N": 128,
+           "num_warps": 8, "num_stages": 3}
+    names = [p.name for p in gk.geglu_mlp_kernel.params if not p.is_constexpr]
+    args = {n: t(64, dtype=dtype) for n in names if n.endswith("_ptr")}
+    args |= {"sums_ptr": t(64, dtype=fp32), "arrivals_ptr": t(1, dtype=torch.int32)}
+    if not bias:
+        args |= {"bias_gate_ptr": None, "bias_up_ptr": None, "bias_down_ptr": None}
+    args |= {n: H for n in names if n.startswith("stride_")}
+    args |= {"stride_xk": 1, "stride_gk": 1, "stride_uk": 1, "stride_dk": 1,
+             "stride_on": 1, "stride_bias_gate": 1, "stride_bias_up": 1,
+             "stride_bias_down": 1, "M": 3, "H": H, "I": I, "N": N}
+    consts = {"HAS_BIAS": bias, "HAS_DOWN_BIAS": bias, "ACTIVATION": gemm.GELU_TANH,
+              "EVEN_K": H % cfg["BLOCK_K"] == 0, "BLOCK_M": gemm.MLP_MAX_TOKENS,
+              "INPUT_PRECISION": gemm._input_precision(dtype), **cfg}
+    options = {k: consts.pop(k) for k in ("num_warps", "num_stages")}
+    return gk.geglu_mlp_kernel, args, consts, options
+
+
+E = gemm.Epilogue
+flat = (1, ew.FLAT_BLOCK, ew.FLAT_WARPS)
+CASES = {
+    "geglu forward, tanh, bf16, flat": elementwise(act.geglu_fwd_kernel, 3, bf16, True, flat, False),
+    "geglu forward, exact, fp32, rows, int64": elementwise(
+        act.geglu_fwd_kernel, 3, fp32, False, ew.row_tile_config(13824, 4), True),
+    "geglu backward, tanh, bf16, flat": elementwise(act.geglu_bwd_kernel, 5, bf16, True, flat, False),
+    "geglu backward, exact, fp16, rows": elementwise(
+        act.geglu_bwd_kernel, 5, fp16, False, ew.row_tile_config(512, 2), False),
+    "gemm decode, gated tanh, split 4": portable_gemm(
+        1, 16384, 2048, bf16, E(activation=gemm.GELU_TANH, gated=True), split=4),
+    "gemm 32 rows, exact + bias + preact, uneven K": portable_gemm(
+        32, 4096, 1000, fp16, E(activation=gemm.GELU, store_preact=True, has_bias=True)),
+    "gemm portable, dact + accumulate, fp32": portable_gemm(
+        4096, 1024, 1024, fp32, E(dact=gemm.GELU, accumulate=True)),
+    "gemm portable, weight gradient + bias gradient": portable_gemm(
+        4096, 1024, 1024, bf16, E(bias_grad=True)),
+    "tma dual gemm, tanh + bias + preacts": tma_gemm(
+        8192, 16384, 2048, bf16, E(activation=gemm.GELU_TANH, gated=True,
+                                    store_preact=True, has_bias=True)),
+    "tma gemm, dact exact, A transposed, bias gradient": tma_gemm(
+        2048, 16384, 8192, bf16, E(dact=gemm.GELU, bias_grad=True), a_t=True),
+    "tma gemm, accumulate, B transposed": tma_gemm(
+        8192, 2048, 16384, fp16, E(accumulate=True), b_t=True),
+    "decode MLP, bf16, even K": decode_mlp(2048, 16384, 2048, bf16, False),
+    "decode MLP, fp16, uneven K, biases": decode_mlp(1000, 3000, 1000, fp16, True),
+}
+results = {}
+for name, (kernel, args, consts, options) in CASES.items():
+    start = time.perf_counter()
+    try:
+        compiled(kernel, args, consts, options)
+        results[name] = None
+    except Exception as error:  # noqa: BLE001 (reported per case)
+        cause = error.__cause__ or error
+        results[name] = f"{type(error).__name__}: {str(error)[-800:]} ({cause!r})"[-1500:]
+    print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+print(json.dumps(results))
+"""
+
+
+def test_every_kernel_compiles_for_hopper():
+    done = run_python(
+        f"import sys; sys.argv = ['', {str(ROOT)!r}]\n" + _COMPILE_ALL,
+        TRITON_INTERPRET=None,
+        TRITON_DEFAULT_FP_FUSION="1",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == 13
+    failed = {name: error for name, error in results.items() if error is not None}
+    assert not failed, json.dumps(failed, indent=1)

@@ -78,6 +78,7 @@ def breakdown(mlp, x) -> dict:
     H, I, N = launch.sizes
     args = (x, *launch.operands, out, sums, arrivals, 1, H, I, N, H, 1, *launch.strides)
     binary = launcher.binary
+    direct_args = (x, *launch.addresses, *args[len(launch.operands) + 1 :])
     stream = torch.cuda.current_stream().cuda_stream
     run_args = (grid, 1, 1, stream, binary.function, binary.packed_metadata, None, None)
     run_args += (None, *args, *launcher.values)
@@ -87,7 +88,10 @@ def breakdown(mlp, x) -> dict:
         "module_route": lambda: route_of(mlp, family),
         "mlp_output": lambda: route_module.mlp_output(route, x),
         "prepared launch": lambda: launch(x),
-        "Launcher call": lambda: launcher(grid, *args),
+        "Launcher call (tensors)": lambda: launcher(grid, *args),
+        "Launcher.launch_aligned (addresses)": lambda: launcher.launch_aligned(
+            grid, stream, direct_args
+        ),
         "Triton launcher (binary.run)": lambda: binary.run(*run_args),
         "torch.empty_like": lambda: torch.empty_like(x),
         "eager F.linear (down_proj shape)": lambda: torch.nn.functional.linear(
@@ -96,6 +100,48 @@ def breakdown(mlp, x) -> dict:
         "eager F.gelu": lambda: torch.nn.functional.gelu(x, approximate="tanh"),
     }
     return {name: round(us, 2) for name, us in lib.host_us(pieces).items()}
+
+
+def pieces_in_generate(model, ids, gen: dict) -> dict:
+    """Host µs per call of the pieces of the kernelized MLP call inside greedy
+    ``generate()`` (medians; each piece timed by a wrapper, which adds its own cost)."""
+    mlp = model.model.layers[0].mlp
+    layers = sys.modules[mlp.forward.__func__.__module__]
+    package = layers.__name__.rpartition(".")[0]
+    gemm, launch = (sys.modules[f"{package}.{m}"] for m in ("gemm", "launch"))
+    spent: dict[str, list] = {}
+
+    def timed(name, fn):
+        spent[name] = []
+
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[name].append(time.perf_counter() - start)
+            return out
+
+        return call
+
+    patched = [
+        (layers, "module_route"),
+        (layers, "mlp_output"),
+        (gemm.MLPLaunch, "__call__"),
+        (gemm, "stream_scratch"),
+        (gemm, "current_stream"),
+        (launch.Launcher, "launch_aligned"),
+        (torch, "empty_like"),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in patched]
+    for owner, name, fn in saved:
+        setattr(owner, name, timed(name, fn))
+    try:
+        model.generate(ids, **gen)
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return {
+        name: round(statistics.median(t) * 1e6, 2) for name, t in spent.items() if t
+    }
 
 
 def main(argv=None) -> int:
@@ -123,6 +169,7 @@ def main(argv=None) -> int:
             print(f"  {name}: {us}")
         in_loop = mlp_us_in_generate({"eager": eager, "ours": ours}, ids, gen)
         print("MLP host us per call inside generate():", in_loop)
+        print("pieces inside generate():", pieces_in_generate(ours, ids, gen))
         for name, model in (("eager", eager), ("ours", ours)):
             print(f"--- {name}: generate({args.new_tokens} tokens), by own time")
             print(profile(lambda m=model: m.generate(ids, **gen), args.top))
@@ -132,6 +179,7 @@ def main(argv=None) -> int:
         for kernel in (
             ours_kernel.gemm_kernels.gemm_kernel,
             ours_kernel.gemm_kernels.gemm_tma_kernel,
+            ours_kernel.gemm_kernels.geglu_mlp_kernel,
         ):
             kernel.run = lambda *a, _run=kernel.run, **k: (
                 slow.append(1) or _run(*a, **k)

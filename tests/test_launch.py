@@ -61,6 +61,46 @@ def test_direct_launch_after_the_first(fused_geglu, monkeypatch):
     assert kernel.calls[2][0] == "triton"
 
 
+def test_prepared_direct_launch(fused_geglu, monkeypatch):
+    """``launch_aligned``: nothing before a first launch compiled the kernel, or under a
+    launch hook; after it, the caller's stream and arguments (addresses as ints) go to
+    the compiled kernel's launcher unchanged."""
+    kernel = FakeKernel(launcher_refuses=False)
+    launcher = launcher_for(fused_geglu, monkeypatch, kernel)
+    x = torch.zeros(8)
+    assert launcher.launch_aligned(3, 0, 55, (x, 5)) is False
+    assert kernel.calls == []
+    launcher(3, x, 5)
+    address = x.data_ptr()
+    assert launcher.launch_aligned(3, 0, 55, (address, 5)) is True
+    assert kernel.calls[1] == (
+        "direct", 3, 1, 1, 55, "function", "metadata", None, None, None, address, 5, 16
+    )  # fmt: skip
+    # The compiled kernel was loaded on device 0: nothing for another device.
+    assert launcher.launch_aligned(3, 1, 55, (address, 5)) is False
+    monkeypatch.setattr(fused_geglu.launch, "_launch_hooks_set", lambda: True)
+    assert launcher.launch_aligned(3, 0, 55, (address, 5)) is False
+    assert len(kernel.calls) == 2
+
+
+def test_no_direct_launch_on_another_device(fused_geglu, monkeypatch):
+    """A compiled kernel is loaded on the device of its first launch: with another device
+    current (a model spread over GPUs), the launch goes through Triton, which keeps a
+    compiled kernel per device."""
+    kernel = FakeKernel(launcher_refuses=False)
+    launcher = launcher_for(fused_geglu, monkeypatch, kernel)
+    current = [0]
+    getters = (lambda: current[0], lambda device: 70 + device)
+    monkeypatch.setattr(fused_geglu.launch, "_stream_getters", lambda: getters)
+    for device in (0, 1, 1, 0, 0):
+        current[0] = device
+        launcher(3, torch.zeros(8), 5)
+    assert [c[0] for c in kernel.calls] == [
+        "triton", "triton", "direct", "triton", "direct"
+    ]  # fmt: skip
+    assert kernel.calls[2][4] == 71 and kernel.calls[4][4] == 70  # each device's stream
+
+
 def test_refused_launcher_falls_back_to_triton(fused_geglu, monkeypatch):
     kernel = FakeKernel(launcher_refuses=True)
     launcher = launcher_for(fused_geglu, monkeypatch, kernel)

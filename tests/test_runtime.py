@@ -202,3 +202,34 @@ def test_no_memory_growth(fused_geglu):
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two GPUs (cuda:1 beside cuda:0)"
+)
+def test_tensors_on_a_gpu_that_is_not_current(fused_geglu):
+    """With cuda:0 current and every tensor on cuda:1 (transformers' device_map="auto"
+    spreads a model so), the public functions give what they give with cuda:1 current,
+    and a kernelized bf16 Gemma MLP's one-launch decode gives what it gives there."""
+    torch.cuda.set_device(0)
+    results = {}
+    for current in (1, 0):
+        torch.manual_seed(0)
+        with torch.cuda.device(current):
+            results[current] = _calls(fused_geglu, "cuda:1", torch.bfloat16)()
+    for name, tensors in results[1].items():
+        for got, want in zip(results[0][name], tensors, strict=True):
+            assert got.device == torch.device("cuda:1"), name
+            assert torch.equal(got, want), name
+
+    model = tiny_model("gemma", "cuda:1").to(torch.bfloat16)
+    mlp = mlps(kernelized(model, "cuda", Mode.INFERENCE))[0]
+    x = torch.randn(1, 1, TINY["hidden_size"], device="cuda:1", dtype=torch.bfloat16)
+    with torch.no_grad():
+        with torch.cuda.device(1):
+            want = mlp(x)
+        got = mlp(x)
+    assert torch.cuda.current_device() == 0
+    # the one launch's fp32 sums may add in another order
+    torch.testing.assert_close(got, want)

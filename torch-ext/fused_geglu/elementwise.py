@@ -54,13 +54,15 @@ def _plan(kernel, approx_tanh: bool, rows: tuple[torch.Tensor, ...], flat: bool)
     """(launcher, grid, (M, N, *strides)) for [M, N] views ``rows`` (the outputs last), or
     with ``flat`` for contiguous tensors of one size, seen as one row."""
     first = rows[0]
+    # the device too: a launcher's compiled kernel is loaded on one device
     if flat:
-        key = (id(kernel), approx_tanh, first.dtype, first.numel())
+        key = (id(kernel), approx_tanh, first.dtype, first.device, first.numel())
     else:
         key = (
             id(kernel),
             approx_tanh,
             first.dtype,
+            first.device,
             first.shape,
             *(t.stride() for t in rows),
         )

@@ -20,11 +20,18 @@ bounded BoundedCache, so a repeated call costs a dict lookup and the launch.
 from dataclasses import dataclass
 
 import torch
-from triton.runtime.driver import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm_kernels import geglu_mlp_kernel, gemm_kernel, gemm_tma_kernel
-from .launch import INTERPRETED, BoundedCache, Launcher, cdiv, has_tma, num_programs
+from .launch import (
+    INTERPRETED,
+    BoundedCache,
+    Launcher,
+    cdiv,
+    current_device_and_stream,
+    has_tma,
+    num_programs,
+)
 
 NO_ACT, GELU, GELU_TANH = 0, 1, 2
 
@@ -151,13 +158,15 @@ def stream_scratch(
     counters: int,
     zeroed: bool,
     capturing: bool | None = None,
+    stream: int | None = None,
 ) -> tuple:
     """(fp32 workspace of at least ``numel``, zeroed int32 counters), kept in ``store`` per
     (device, stream) and reused: launches on one stream run in order, and the kernels
     leave the counters zero (and a ``zeroed`` workspace zero) for the next. Inside a CUDA
     graph capture, fresh ones (memset nodes): the graph may replay on any stream, beside
-    other work of the capture stream. ``capturing``: whether a capture is on, where the
-    caller knows (None: asked here)."""
+    other work of the capture stream. ``capturing``: whether a capture is on, and
+    ``stream``: the launch's (current_device_and_stream()), where the caller knows (None:
+    asked here)."""
     workspace = torch.zeros if zeroed else torch.empty
     if capturing is None:
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -166,10 +175,7 @@ def stream_scratch(
             workspace(numel, dtype=torch.float32, device=device),
             torch.zeros(counters, dtype=torch.int32, device=device),
         )
-    stream = (
-        driver.active.get_current_stream(device.index) if device.type == "cuda" else 0
-    )
-    key = (device, stream)
+    key = (device, current_device_and_stream()[1] if stream is None else stream)
     scratch = store.get(key)
     if scratch is None or scratch[0].numel() < numel:
         counts = (
@@ -589,17 +595,25 @@ class MLPLaunch:
     route.mlp_in_one_launch), allocates the output and launches. The layers' decode path,
     where the host time of a call is the cost."""
 
-    __slots__ = ("activation", "device", "dtype", "hidden", "operands", "plans", "sizes",
-                 "strides")  # fmt: skip
+    __slots__ = ("activation", "addresses", "device", "device_index", "device_type",
+                 "dtype", "hidden", "operands", "plans", "sizes", "strides")  # fmt: skip
 
     def __init__(self, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: int):
         (I, H), N = w_gate.shape, w_down.shape[0]
         self.operands = (w_gate, w_up, w_down, b_gate, b_up, b_down)
+        # The operands' addresses, for the direct launch, where all are 16-byte aligned
+        # (None otherwise): valid while the route stands (it watches the weights' data
+        # pointers), the tensors kept alive by ``operands``.
+        addresses = tuple(None if t is None else t.data_ptr() for t in self.operands)
+        aligned = all(a is None or a % 16 == 0 for a in addresses)
+        self.addresses = addresses if aligned else None
         self.dtype, self.device, self.activation = (
             w_gate.dtype,
             w_gate.device,
             activation,
         )
+        self.device_type = self.device.type  # what the route's autocast check asks
+        self.device_index = w_gate.get_device()  # -1 on the CPU (the interpreter)
         self.hidden, self.sizes = H, (H, I, N)
         # Every stride argument after x's (H, 1): the weights', out's (N, 1), the biases'.
         self.strides = (
@@ -609,6 +623,12 @@ class MLPLaunch:
         self.plans = {}  # rows -> (grid, launcher): at most MLP_MAX_TOKENS entries
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        device, stream = current_device_and_stream()
+        if device != self.device_index:
+            # Triton launches on the current device; with the model spread over GPUs
+            # (device_map="auto") it may not be the weights'.
+            with torch.cuda.device(self.device):
+                return self(x)
         H, I, N = self.sizes
         M = x.numel() // H
         # empty_like: x's shape when N == H (the usual down projection), fewer steps
@@ -619,8 +639,16 @@ class MLPLaunch:
             plan = self.plans[M] = _mlp_plan(M, H, I, N, *fixed)
         grid, launcher = plan
         sums, arrivals = stream_scratch(
-            _MLP_SCRATCH, self.device, M * N, 1, True, capturing=False
+            _MLP_SCRATCH, self.device, M * N, 1, True, capturing=False, stream=stream
         )
-        launcher(grid, x, *self.operands, out, sums, arrivals, M, H, I, N, H, 1,
-                 *self.strides)  # fmt: skip
+        sizes = (M, H, I, N, H, 1, *self.strides)
+        # out and the scratch come from the allocator (aligned)
+        if not (
+            self.addresses is not None
+            and not x.data_ptr() & 15
+            and launcher.launch_aligned(
+                grid, device, stream, (x, *self.addresses, out, sums, arrivals, *sizes)
+            )
+        ):
+            launcher(grid, x, *self.operands, out, sums, arrivals, *sizes)
         return out

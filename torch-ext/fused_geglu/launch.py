@@ -173,6 +173,7 @@ class Launcher:
 
     __slots__ = (
         "binary",
+        "binary_device",
         "constexprs",
         "device",
         "kernel",
@@ -187,6 +188,9 @@ class Launcher:
         params = getattr(kernel, "params", ())
         self.values = tuple(constexprs[p.name] for p in params if p.is_constexpr)
         self.binary = None
+        self.binary_device = (
+            None  # the device it was loaded on (a function is per device)
+        )
         self.pointers = ()  # positions of the tensor arguments
         # The active driver's current-device and -stream getters, as JITFunction.run's.
         self.device = self.stream = None
@@ -194,24 +198,16 @@ class Launcher:
     def __call__(self, grid: int, *args) -> None:
         """``args``: the kernel's runtime parameters in order, None where unused (Triton
         compiles those out)."""
-        global direct_launch_works, direct_launch_error
-        binary = self.binary
-        if binary is not None and not _launch_hooks_set():
+        if self.binary is not None and not _launch_hooks_set():
+            device = self.device()
             for i in self.pointers:
                 if args[i].data_ptr() & 15:
                     break
             else:
-                try:
-                    binary.run(
-                        grid, 1, 1, self.stream(self.device()), binary.function,
-                        binary.packed_metadata, None, None, None, *args, *self.values,
-                    )  # fmt: skip
+                if device == self.binary_device and self._run(
+                    grid, self.stream(device), args
+                ):
                     return
-                except (TypeError, AttributeError, SystemError) as error:
-                    # This Triton's launcher takes other arguments (the call launched
-                    # nothing): Triton's own launch from now on.
-                    direct_launch_works, direct_launch_error = False, error
-                    self.binary = None
         binary = self._launch_through_triton(grid, args)
         if (
             direct_launch_works
@@ -224,6 +220,38 @@ class Launcher:
             if all(args[i].data_ptr() & 15 == 0 for i in pointers):
                 self.device, self.stream = _stream_getters()
                 self.pointers, self.binary = pointers, binary
+                self.binary_device = self.device()
+
+    def launch_aligned(self, grid: int, device: int, stream: int, args: tuple) -> bool:
+        """The direct launch on ``stream`` of ``device`` (the current device and its current
+        stream: current_device_and_stream()) for a caller that knows its pointers 16-byte
+        aligned, as the first launch's were: in ``args`` a tensor, or the int address of
+        one that the caller keeps alive (Triton's launcher takes it as is and skips its
+        per-tensor pointer query). False where it launched nothing (not compiled yet, or
+        for another device, a launch hook set, this Triton refuses the call): the caller
+        then calls the launcher with tensors."""
+        return (
+            device == self.binary_device
+            and self.binary is not None
+            and not _launch_hooks_set()
+            and self._run(grid, stream, args)
+        )
+
+    def _run(self, grid: int, stream: int, args: tuple) -> bool:
+        global direct_launch_works, direct_launch_error
+        binary = self.binary
+        try:
+            binary.run(
+                grid, 1, 1, stream, binary.function, binary.packed_metadata, None, None,
+                None, *args, *self.values,
+            )  # fmt: skip
+            return True
+        except (TypeError, AttributeError, SystemError) as error:
+            # This Triton's launcher takes other arguments (the call launched nothing):
+            # Triton's own launch from now on.
+            direct_launch_works, direct_launch_error = False, error
+            self.binary = None
+            return False
 
     def _launch_through_triton(self, grid: int, args: tuple):
         key = (id(self.kernel), self.values)
@@ -279,3 +307,18 @@ def _stream_getters() -> tuple:
     ``JITFunction.run`` launches with."""
     driver = triton.runtime.driver.active
     return driver.get_current_device, driver.get_current_stream
+
+
+_CURRENT = []  # the active driver's (current device, current stream) getters, once read
+
+
+def current_device_and_stream() -> tuple[int, int]:
+    """Where a launch goes now: the current device and its current stream (-1 and 0 under
+    the interpreter, -1 being a CPU tensor's ``get_device()``)."""
+    if INTERPRETED:
+        return -1, 0
+    if not _CURRENT:
+        _CURRENT.extend(_stream_getters())
+    get_device, get_stream = _CURRENT
+    device = get_device()
+    return device, get_stream(device)

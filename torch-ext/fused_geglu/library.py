@@ -63,12 +63,29 @@ def dispatched(t: torch.Tensor) -> bool:
     )
 
 
+def _on_tensors_device(impl):
+    """``impl`` with the current CUDA device set to its first argument's: Triton launches on
+    the current device, which need not hold the tensors when a model is spread over GPUs
+    (transformers' ``device_map="auto"``)."""
+
+    def run(*args):
+        t = args[0]
+        if t.is_cuda and t.get_device() != torch.cuda.current_device():
+            with torch.cuda.device(t.device):
+                return impl(*args)
+        return impl(*args)
+
+    return run
+
+
 class KernelOp:
     """A custom op and its implementation. The implementation may return None for an
     output it did not compute (eager callers skip those allocations); the registered op
     returns an empty tensor there, as its schema needs."""
 
     def __init__(self, name: str, schema: str, impl, fake, mutates_args=()):
+        impl = _on_tensors_device(impl)
+
         def registered(*args):
             out = impl(*args)
             if isinstance(out, tuple):

@@ -75,8 +75,11 @@ def mlp_in_one_launch(x: torch.Tensor) -> bool:
     module docstring): an eager call (not compiled, not captured in a CUDA graph: there no
     host time is spent per call, and the two kernels take less GPU time), few tokens,
     atomics allowed."""
-    if torch.compiler.is_compiling():
-        return False
+    return not torch.compiler.is_compiling() and _one_launch_fits(x)
+
+
+def _one_launch_fits(x: torch.Tensor) -> bool:
+    """``mlp_in_one_launch`` for an eager call."""
     hidden = x.shape[-1]
     m = x.numel() // hidden if hidden else 0
     return (
@@ -514,7 +517,8 @@ def mlp_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None = 
     where the route does not take it: the layers' fast path, asked first. ``route.mlp``
     holds only weights the dual GEMM takes, so an ``x`` of their dtype and device, of a
     plain type, outside autocast and torch.func transforms, meets the rest of
-    ``fuse_projections`` and ``input_reason``."""
+    ``fuse_projections`` and ``input_reason``. Eager calls only: module_route prepares
+    ``mlp_launch`` outside torch.compile."""
     launch = route.mlp_launch
     if launch is None:
         return None
@@ -525,8 +529,8 @@ def mlp_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None = 
         or x.shape[-1] != launch.hidden
         or x.device != launch.device
         or autograd.needs_grad(x, *launch.operands)
-        or not mlp_in_one_launch(x)
-        or torch.is_autocast_enabled(launch.device.type)
+        or not _one_launch_fits(x)
+        or torch.is_autocast_enabled(launch.device_type)
         or autograd.transforms_active()
         or not (dropout is None or _is_identity(dropout))
     ):

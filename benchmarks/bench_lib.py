@@ -140,6 +140,47 @@ def bench_ms(fn, graph: bool = False) -> float:
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+_SPIN_CYCLES_PER_MS: list[float] = []
+
+
+def queued_gpu_ms(fn, n: int = 20, rounds: int = 5) -> float:
+    """GPU time per call with the host ahead of the GPU, for what a CUDA graph cannot
+    capture (a training step: the graph replay of ModernBERT's failed on the H200 with
+    cudaErrorStreamCaptureImplicit): a spin kernel (torch.cuda._sleep) holds the GPU while
+    the host queues ``n`` calls, then events time the queued calls alone; the spin is made
+    1.5x the host's time, and a round whose queuing outlasted it is discarded. The median
+    of ``rounds``."""
+    if not _SPIN_CYCLES_PER_MS:  # the spin kernel's clock, measured
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        sync()
+        _SPIN_CYCLES_PER_MS.append(10_000_000 / start.elapsed_time(end))
+    fn()
+    _, host_ms = timed(lambda: [fn() for _ in range(n)])
+    times = []
+    for _ in range(rounds * 2):
+        spin_ms = 1.5 * host_ms + 1.0
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        sync()
+        queued = time.perf_counter()
+        torch.cuda._sleep(int(spin_ms * _SPIN_CYCLES_PER_MS[0]))
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        queued = (time.perf_counter() - queued) * 1e3
+        sync()
+        if queued < spin_ms:
+            times.append(start.elapsed_time(end) / n)
+        else:
+            host_ms = queued
+        if len(times) == rounds:
+            return statistics.median(times)
+    raise RuntimeError(f"the host could not queue {n} calls ahead of the GPU")
+
+
 def device_ms(fn, graph: bool) -> tuple[float, str]:
     """Median time per call and the timer's name; without a GPU, the CPU wall time."""
     if not HAS_GPU:

@@ -120,12 +120,26 @@ def peak_extra_mib(step) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def training_steps(peers, x, params, timer=None, memory=None) -> dict:
-    """``{peer: {"ms", "rounds_ms", "peak_extra_MiB"}}`` of a training step (forward, and
-    the gradients of ``params`` by autograd.grad: none accumulate) of each peer, a
-    function of ``x``: timed in interleaved rounds, then each one's peak memory.
-    ``timer`` and ``memory`` replace lib.interleaved_ms and peak_extra_mib."""
+# A step shorter than this on the GPU may be bound by the host when timed alone: its host
+# time per step is measured too.
+SHORT_STEP_MS = 1.0
+
+
+def training_steps(
+    peers, x, params, timer=None, memory=None, gpu_timer=None, host_timer=None
+) -> dict:
+    """``{peer: {"ms", "rounds_ms", "gpu_ms", "peak_extra_MiB"} (+ "host_us")}`` of a
+    training step (forward, and the gradients of ``params`` by autograd.grad: none
+    accumulate) of each peer, a function of ``x``: timed in interleaved rounds (``ms``:
+    wall time between CUDA events, the host's time where the host is slower), its GPU
+    time with the host ahead (``gpu_ms``, lib.queued_gpu_ms: what the step costs where a
+    model's queue hides the host), each one's peak memory, and for short steps the host
+    time per step. ``timer``, ``memory``, ``gpu_timer`` and ``host_timer`` replace
+    lib.interleaved_ms, peak_extra_mib, lib.queued_gpu_ms and lib.host_us (a CPU smoke
+    run)."""
     timer, memory = timer or lib.interleaved_ms, memory or peak_extra_mib
+    gpu_timer = gpu_timer or lib.queued_gpu_ms
+    host_timer = host_timer or lib.host_us
     with torch.no_grad():  # of the output's shape: the first peer's
         dy = torch.randn_like(next(iter(peers.values()))(x))
     steps = {
@@ -135,7 +149,11 @@ def training_steps(peers, x, params, timer=None, memory=None) -> dict:
     timed, rows = timer(steps), {}
     for name, step in steps.items():
         ms, rounds = timed[name]
-        rows[name] = {"ms": ms, "rounds_ms": rounds, "peak_extra_MiB": memory(step)}
+        rows[name] = {"ms": ms, "rounds_ms": rounds, "gpu_ms": gpu_timer(step)}
+        rows[name]["peak_extra_MiB"] = memory(step)
+    if min(row["gpu_ms"] for row in rows.values()) < SHORT_STEP_MS:
+        for name, us in host_timer(steps).items():
+            rows[name]["host_us"] = us
     return rows
 
 
@@ -229,13 +247,14 @@ def families(ours, device="cuda", dtype=BF16, scale=1, timer=None, host_timer=No
     return result
 
 
-def training(ours, device="cuda", dtype=BF16, scale=1, timer=None, memory=None):
+def training(ours, device="cuda", dtype=BF16, scale=1, **timers):
     """Each family's feed-forward at one real model size, one training step (the input and
     every parameter trainable, dropout at p = 0 so that every peer computes the same):
     the eager module, torch.compile of it, Liger (Gemma's MLP) and our layer's forward on
     it; then the Gemma MLP with frozen projections (only the input trainable), eager
-    against ours. ``scale`` divides every size; ``timer`` and ``memory`` replace the GPU
-    timer and memory measure (a CPU smoke run)."""
+    against ours. ``scale`` divides every size; ``timers`` (training_steps' ``timer``,
+    ``memory``, ``gpu_timer``, ``host_timer``) replace the GPU measures (a CPU smoke
+    run)."""
     result = {}
 
     def measure(name, peers, module, tokens, hidden):
@@ -243,7 +262,7 @@ def training(ours, device="cuda", dtype=BF16, scale=1, timer=None, memory=None):
         x.requires_grad_(True)
         params = [x, *(p for p in module.parameters() if p.requires_grad)]
         result[name] = {"tokens": x.shape[0], "hidden": hidden}
-        result[name] |= training_steps(peers, x, params, timer, memory)
+        result[name] |= training_steps(peers, x, params, **timers)
         print(name, result[name], flush=True)
 
     modules = family_modules(ours, scale)

@@ -1,7 +1,9 @@
 """Where the host time of a kernelized model goes: cProfile of greedy ``generate()`` on the
 e2e benchmark's model (fewer layers), eager and kernelized, and the host time per call of
 one MLP at 1 token, eager against kernelized, by interleaved rounds (bench_lib.host_us).
-Needs a CUDA GPU. Usage: python benchmarks/host_profile.py [--layers 4] [--top 30]"""
+With --training FAMILY (a name of compare.py's training rows), the host time of that
+row's training step instead. Needs a CUDA GPU.
+Usage: python benchmarks/host_profile.py [--layers 4] [--top 30] [--training FAMILY]"""
 
 import argparse
 import cProfile
@@ -144,13 +146,43 @@ def pieces_in_generate(model, ids, gen: dict) -> dict:
     }
 
 
+def training_profile(family: str, top: int) -> str:
+    """One family's training step (compare.py's, bf16) of eager and of our layer: host µs
+    per step (interleaved 20-step loops) and a cProfile of 20 of our steps."""
+    from compare import family_modules
+
+    ours = lib.load_ours()
+    module, layer, tokens, hidden = family_modules(ours)[family]
+    module = module.to("cuda", torch.bfloat16).train()
+    for dropout in module.modules():
+        if isinstance(dropout, torch.nn.Dropout):
+            dropout.p = 0.0
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    x.requires_grad_(True)
+    params = [x, *module.parameters()]
+    dy = torch.randn_like(module(x))
+    steps = {
+        "eager": lambda: torch.autograd.grad(module(x), params, dy),
+        "ours": lambda: torch.autograd.grad(layer.forward(module, x), params, dy),
+    }
+    us = {name: round(v, 1) for name, v in lib.host_us(steps).items()}
+    report = f"{family}, training step host us: {us}\n"
+    return report + profile(lambda: [steps["ours"]() for _ in range(20)], top)
+
+
 def main(argv=None) -> int:
     lib.require_cuda("host_profile.py")
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument(
+        "--training", metavar="FAMILY", help="profile a compare.py training row instead"
+    )
     args = parser.parse_args(argv)
+    if args.training:
+        print(training_profile(args.training, args.top))
+        return 0
     eager, ours = build_models(args.layers, 256)
     ids = torch.randint(0, 1000, (1, 16), device="cuda")
     gen = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens}

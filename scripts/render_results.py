@@ -199,6 +199,34 @@ def training_section(training: dict) -> list[str]:
         for name, r in training.items()
     ]
     names = PEERS | {"ours": "fused-geglu layer"}
+    lines += table([""] + [names[p] for p in peers], rows) + [""]
+    gpu_timed = {
+        n: r
+        for n, r in training.items()
+        if any("gpu_ms" in r[p] for p in peers if p in r)
+    }
+    if not gpu_timed:
+        return lines
+    lines += paragraph(
+        "The same steps' GPU time, ms, with the host ahead (20 steps queued behind a "
+        "spin kernel: what a step costs where a model's queue keeps the GPU busy), and "
+        "for steps under 1 ms the host time per step, µs, in parentheses (20-step "
+        "loops, interleaved rounds, medians): the ms above is about the larger of the "
+        "two."
+    )
+    rows = [
+        [f"{name} ({r['tokens']} tokens)"]
+        + [
+            (
+                f"{ms(r[p]['gpu_ms'])}"
+                + (f" ({r[p]['host_us']:.0f})" if "host_us" in r[p] else "")
+            )
+            if p in r and "gpu_ms" in r[p]
+            else "-"
+            for p in peers
+        ]
+        for name, r in gpu_timed.items()
+    ]
     return lines + table([""] + [names[p] for p in peers], rows) + [""]
 
 

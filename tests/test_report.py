@@ -225,10 +225,12 @@ def test_training_benchmark(fused_geglu, device, monkeypatch):
         trained.append((set(steps), len(grads["eager"])))
         return {peer: (1.0, [1.0]) for peer in steps}
 
-    measured = []
+    measured, gpu_timed, host_timed = [], [], []
     result = compare.training(
         fused_geglu, device, torch.float32, scale=32, timer=once,
         memory=lambda step: measured.append(step) or 0.0,
+        gpu_timer=lambda step: gpu_timed.append(step) or 0.5,
+        host_timer=lambda steps: host_timed.append(steps) or dict.fromkeys(steps, 9.0),
     )  # fmt: skip
     frozen = "Gemma-2B MLP, frozen weights"
     modules = compare.family_modules(fused_geglu, 32)
@@ -244,8 +246,14 @@ def test_training_benchmark(fused_geglu, device, monkeypatch):
             assert names == {"eager", "compile", "ours"} | gemma, name
         assert n_grads == 1 + (0 if name == frozen else params[name]), name
         for peer in names:
-            assert row[peer] == {"ms": 1.0, "rounds_ms": [1.0], "peak_extra_MiB": 0.0}
-    assert len(measured) == sum(len(names) for names, _ in trained)
+            assert row[peer] == {
+                "ms": 1.0, "rounds_ms": [1.0], "gpu_ms": 0.5, "peak_extra_MiB": 0.0,
+                "host_us": 9.0,
+            }  # fmt: skip
+    steps = sum(len(names) for names, _ in trained)
+    assert len(measured) == len(gpu_timed) == steps
+    # every step under SHORT_STEP_MS (0.5 ms here): host-timed, each section once
+    assert [set(s) for s in host_timed] == [names for names, _ in trained]
 
 
 def test_render_linear_fwd_bwd():

@@ -92,7 +92,7 @@ def breakdown(mlp, x) -> dict:
         "prepared launch": lambda: launch(x),
         "Launcher call (tensors)": lambda: launcher(grid, *args),
         "Launcher.launch_aligned (addresses)": lambda: launcher.launch_aligned(
-            grid, stream, direct_args
+            grid, torch.cuda.current_device(), stream, direct_args
         ),
         "Triton launcher (binary.run)": lambda: binary.run(*run_args),
         "torch.empty_like": lambda: torch.empty_like(x),

@@ -1,6 +1,7 @@
 """Sweep the launch-configuration tables' candidates on this GPU (bf16) and write the times
 as JSON: the evidence behind the choices in elementwise.py (FLAT_BLOCK/FLAT_WARPS,
-row_tile_config) and gemm.gemm_config. cuBLAS is timed in the same run.
+row_tile_config, also at the families' widths) and gemm.gemm_config. cuBLAS is timed in
+the same run.
 Usage: python benchmarks/tune.py --out tune.json"""
 
 import argparse
@@ -41,6 +42,38 @@ def elementwise(act):
         )
         result[f"rows{cfg}"] = {"fwd_ms": ms}
         print("rows", cfg, ms, flush=True)
+    act.row_tile_config = default
+    act._PLANS.clear()
+    return result
+
+
+def family_rows(act):
+    """Row tiles for the families' halves whose width is no power of two (ModernBERT
+    base: 2 x 1152 at 8192 tokens; SD 1.5 GEGLU: 2 x 2560 at 2048 tokens): forward, and
+    backward into strided outputs as in training, per candidate (the shipped one
+    first)."""
+    dt, default, result = torch.bfloat16, act.row_tile_config, {}
+    for M, N in ((8192, 1152), (2048, 2560)):
+        both = torch.randn(M, 2 * N, dtype=dt, device="cuda")
+        gate, up = both[:, :N], both[:, N:]
+        dy, out = (torch.empty(M, N, dtype=dt, device="cuda") for _ in range(2))
+        dy.normal_()
+        grads = torch.empty_like(both)  # strided like the in-place backward's outputs
+        dgate, dup = grads[:, :N], grads[:, N:]
+        shipped = default(N, 2)
+        for cfg in [shipped] + [(8192 // b, b, 8) for b in (2048, 1024, 512, 256)]:
+            act.row_tile_config = lambda n, e, cfg=cfg: cfg
+            act._PLANS.clear()
+            key = f"rows{M}x{N}{cfg}" + (" shipped" if cfg is shipped else "")
+            result[key] = {
+                "fwd_ms": lib.bench_ms(
+                    lambda: act.geglu_forward(gate, up, out, "tanh")
+                ),
+                "bwd_ms": lib.bench_ms(
+                    lambda: act.geglu_backward(dy, gate, up, "tanh", dgate, dup)
+                ),
+            }
+            print(key, result[key], flush=True)
     act.row_tile_config = default
     act._PLANS.clear()
     return result
@@ -151,7 +184,7 @@ def decode_mlp(ours):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
-    sections = ("elementwise", "gemm", "decode_mlp")
+    sections = ("elementwise", "family_rows", "gemm", "decode_mlp")
     parser.add_argument("--only", nargs="*", default=sections, choices=sections)
     args = parser.parse_args()
     lib.require_cuda("benchmarks/tune.py")
@@ -159,6 +192,8 @@ def main():
     result = {"env": lib.environment(ours)}
     if "elementwise" in args.only:
         result["elementwise"] = elementwise(ours.elementwise)
+    if "family_rows" in args.only:
+        result["family_rows"] = family_rows(ours.elementwise)
     if "gemm" in args.only:
         result["gemm"] = gemms(ours)
     if "decode_mlp" in args.only:

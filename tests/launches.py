@@ -2,14 +2,22 @@
 
 
 def spy_launches(fused_geglu, monkeypatch) -> list[str]:
-    """A list that receives the name of each kernel launched from now on."""
+    """A list that receives the name of each kernel launched from now on (through a
+    Launcher's call, or its prepared direct launch where that launched)."""
     launcher = fused_geglu.launch.Launcher
     launched = []
-    real_call = launcher.__call__
+    real_call, real_aligned = launcher.__call__, launcher.launch_aligned
 
     def call(self, grid, *args):
         launched.append(self.kernel.__name__)
         return real_call(self, grid, *args)
 
+    def launch_aligned(self, *args):
+        done = real_aligned(self, *args)
+        if done:
+            launched.append(self.kernel.__name__)
+        return done
+
     monkeypatch.setattr(launcher, "__call__", call)
+    monkeypatch.setattr(launcher, "launch_aligned", launch_aligned)
     return launched

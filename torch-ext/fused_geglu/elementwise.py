@@ -21,10 +21,19 @@ def row_tile_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
 
     A row tile spans up to 16 bytes x 32 lanes x 8 warps (2048 bf16 / 1024 fp32 columns),
     so every load is a 16-byte vector; rows are stacked until a program streams ~8192
-    elements (the sweep behind it: benchmarks/NOTES.md).
+    elements (the sweep behind it: benchmarks/NOTES.md). Where the columns leave more
+    than 1/8 of the last tile's lanes idle (ModernBERT's 1152: 44% at 2048), narrower
+    tiles, down to 256 columns, with the fewest idle lanes (1152: five of 256).
     """
     vec = 16 // elem_bytes
-    block_n = min(1 << (max(n_cols, 1) - 1).bit_length(), vec * 32 * 8)
+    n = max(n_cols, 1)
+    widest = min(1 << (n - 1).bit_length(), vec * 32 * 8)
+    candidates = [widest >> i for i in range(4) if widest >> i >= min(256, widest)]
+    idle = {b: cdiv(n, b) * b - n for b in candidates}
+    block_n = next(
+        (b for b in candidates if idle[b] * 8 <= cdiv(n, b) * b),
+        min(candidates, key=lambda b: (idle[b], -b)),
+    )
     return max(1, 8192 // block_n), block_n, 8
 
 

@@ -230,6 +230,17 @@ def training_section(training: dict) -> list[str]:
     return lines + table([""] + [names[p] for p in peers], rows) + [""]
 
 
+def training_rerun_section(path: Path, result: dict) -> list[str]:
+    """compare.py --only training, run after the newest full comparison."""
+    env = result["env"]
+    lines = paragraph(
+        f"Training rows measured again on {env['date']} at {env['source_commit']} "
+        f"(another {env['device']} host, every peer in the same run; "
+        f"{env.get('note', '')}). Source: `{path.relative_to(ROOT)}`."
+    )
+    return lines + training_section(result["training"])
+
+
 def host_section(host: dict) -> list[str]:
     """compare.py's host µs per call of every public op and layer."""
     shape = host["shape"]
@@ -441,6 +452,9 @@ def render() -> str:
     """docs/results.md's text between the markers: every table."""
     compare = max(RESULTS.glob("*-compare.json"))
     lines = compare_section(compare, load(compare))
+    rerun = newest("compare-training")
+    if rerun and rerun.name > compare.name:
+        lines += training_rerun_section(rerun, load(rerun))
     sections = {"tune-decode": decode_section, "e2e": e2e_section}
     sections |= {"families": families_section}
     sections |= {"distributed": distributed_section}

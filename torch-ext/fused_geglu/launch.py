@@ -167,9 +167,10 @@ class Launcher:
     """Launches one kernel with fixed constexprs (flags, tiles, ``num_warps``,
     ``num_stages``) for arguments of one specialisation: the caller keys its launchers by
     the arguments' dtypes, shapes and strides, so every call of one launcher compiles to
-    the same kernel. The first call, and any with a misaligned pointer or under a launch
-    hook, goes through ``kernel[grid](...)``; later calls hand the compiled kernel's
-    launcher the arguments ``JITFunction.run`` would (every parameter, constexprs too)."""
+    the same kernel. The first call, and any with a misaligned pointer, under a launch
+    hook or on a device other than the one the compiled kernel was loaded on, goes
+    through ``kernel[grid](...)``; later calls hand the compiled kernel's launcher the
+    arguments ``JITFunction.run`` would (every parameter, constexprs too)."""
 
     __slots__ = (
         "binary",
@@ -188,9 +189,8 @@ class Launcher:
         params = getattr(kernel, "params", ())
         self.values = tuple(constexprs[p.name] for p in params if p.is_constexpr)
         self.binary = None
-        self.binary_device = (
-            None  # the device it was loaded on (a function is per device)
-        )
+        # the device the compiled kernel was loaded on (a CUDA function is per device)
+        self.binary_device = None
         self.pointers = ()  # positions of the tensor arguments
         # The active driver's current-device and -stream getters, as JITFunction.run's.
         self.device = self.stream = None

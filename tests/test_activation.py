@@ -75,6 +75,45 @@ def test_strided_backward(fused_geglu, device):
     assert (up_base.grad[:, 0] == 0).all()
 
 
+def test_row_tiles(fused_geglu):
+    """Strided operands' tiles: a power of two at most 16 bytes x 256 lanes wide, about
+    8192 elements per program, and no more than 1/8 of the last tile's lanes idle where a
+    tile of 256 columns or more allows it (else the fewest idle): ModernBERT's 1152-wide
+    halves take 256 columns, SD's 2560 take 512, Gemma's 16384 the widest."""
+    config = fused_geglu.elementwise.row_tile_config
+    for elem in (2, 4):
+        widest = 16 // elem * 256
+        for n in [*range(1, 600), *range(600, 20000, 37), 1152, 2560, 13824, 16384]:
+            block_m, block_n, warps = config(n, elem)
+            assert block_n & (block_n - 1) == 0 and block_n <= widest, (n, elem)
+            assert block_m == max(1, 8192 // block_n) and warps == 8, (n, elem)
+            padded = -(-n // block_n) * block_n
+            if block_n >= 256 and 8 * (padded - n) > padded:
+                # no candidate from 256 columns up leaves fewer lanes idle
+                for b in (256, 512, 1024, 2048):
+                    if b <= widest:
+                        assert -(-n // b) * b - n >= padded - n, (n, elem, b)
+    assert config(1152, 2)[1] == 256 and config(2560, 2)[1] == 512
+    assert config(16384, 2)[1] == 2048 and config(16384, 4)[1] == 1024
+
+
+@pytest.mark.parametrize("width", [1152, 2560])
+def test_strided_halves_at_family_widths(fused_geglu, device, width):
+    """The halves of one projection output (ModernBERT, SD GEGLU) at their real widths
+    (the row tiles chosen for them), forward and backward."""
+    both = torch.randn(24, 2 * width, device=device, dtype=torch.bfloat16) * 2
+    gate, up = both[:, :width], both[:, width:]
+    out = fused_geglu.geglu(gate, up, "none")
+    assert_close_to_ref(out, geglu_ref(gate, up, "none"), eager_geglu(gate, up, "none"))
+    leaf = both.clone().requires_grad_()
+    dout = torch.randn(24, width, device=device, dtype=torch.bfloat16)
+    fused_geglu.geglu(leaf[:, :width], leaf[:, width:], "none").backward(dout)
+    _, *ref = fwd_bwd(eager_geglu, cast([gate, up], torch.float64), dout)
+    _, *eager = fwd_bwd(eager_geglu, [gate, up], dout)
+    assert_close_to_ref(leaf.grad[:, :width], ref[0], eager[0])
+    assert_close_to_ref(leaf.grad[:, width:], ref[1], eager[1])
+
+
 @pytest.mark.parametrize("shape", [(0, 16), (4, 0), (2, 0, 8)], ids=str)
 def test_empty(fused_geglu, device, shape):
     gate = torch.randn(shape, device=device, requires_grad=True)

@@ -354,7 +354,8 @@ def test_layer_one_launch_after_weights_change_in_place(
 ):
     """The layer's prepared one launch follows its module: weights pruned in place
     (``weight.data`` a view of the same storage: the same pointer, a new shape), a
-    non-contiguous input, and a profiler (the op then runs under its record_function)."""
+    non-contiguous input, a profiler (the op then runs under its record_function), and
+    biases whose data is swapped in place (the launch holds their addresses)."""
     from transformers import GemmaConfig
     from transformers.models.gemma.modeling_gemma import GemmaMLP
 
@@ -380,6 +381,23 @@ def test_layer_one_launch_after_weights_change_in_place(
         proj.weight.data = proj.weight.data[:48]
     mlp.down_proj.weight.data = mlp.down_proj.weight.data[:, :48]
     check(torch.randn(2, 64, dtype=dtype, device=device), "pruned to 48 in place")
+
+    # Biases (GemmaMLP's forward over biased projections) whose data is swapped in place:
+    # the prepared launch holds their addresses, so the route must see the swap.
+    shapes = {"gate_proj": (64, 48), "up_proj": (64, 48), "down_proj": (48, 64)}
+    for name, (n_in, n_out) in shapes.items():
+        old = getattr(mlp, name)
+        new = torch.nn.Linear(n_in, n_out, device=device, dtype=dtype)
+        new.weight.data = old.weight.data
+        setattr(mlp, name, new)
+    check(torch.randn(2, 64, dtype=dtype, device=device), "with biases")
+    for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        proj.bias.data = torch.randn_like(proj.bias) * 4
+    check(torch.randn(2, 64, dtype=dtype, device=device), "biases swapped in place")
+    route = fused_geglu.route.module_route(mlp, fused_geglu.layers.GEMMA_MLP)
+    launch = route.mlp_launch
+    biases = [p.bias for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    assert launch.addresses[3:] == tuple(b.data_ptr() for b in biases)
     check(torch.randn(64, 2, dtype=dtype, device=device).t(), "a transposed input")
     with torch.profiler.profile():
         check(torch.randn(2, 64, dtype=dtype, device=device), "under a profiler")

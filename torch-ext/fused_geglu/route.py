@@ -284,36 +284,43 @@ def _plain_linear_operands(m: nn.Module) -> tuple | None:
     return None if is_dtensor(weight) else (weight, m._parameters["bias"])
 
 
+def _data_of(t) -> tuple | None:
+    """(data pointer, shape, strides) of a local tensor parameter, else None."""
+    return (t.data_ptr(), t.shape, t.stride()) if type(t) in PLAIN_TENSORS else None
+
+
+def _moved(t, data: tuple | None) -> bool:
+    """Whether ``t``'s data is no longer what ``_data_of`` saw (no new objects)."""
+    return data is not None and (
+        t.data_ptr() != data[0] or t.shape != data[1] or t.stride() != data[2]
+    )
+
+
 def _watched(module: nn.Module, family: Family) -> tuple:
     """Everything a route depends on: the module's class and, per submodule, the module,
-    its weight and the weight's data pointer, shape and strides (``module.to()`` or
-    pruning swap a parameter's data in place: cached views and the prepared launch's sizes
-    would be stale), its bias, whether it has hooks, and the id of an instance-level
-    (patched) forward (not the function: it may hold the parent module). ``_unchanged``
-    compares them on every call."""
+    its weight and bias and their data pointers, shapes and strides (``module.to()`` or
+    pruning swap a parameter's data in place: cached views, and the prepared launch's
+    sizes and addresses, would be stale), whether it has hooks, and the id of an
+    instance-level (patched) forward (not the function: it may hold the parent module).
+    ``_unchanged`` compares them on every call."""
     mods = module._modules
     children = []
     for name in family.children:
         m = mods.get(name)
         if m is None:
-            children.append((name, None, None, None, None, False, id(None)))
+            children.append((name, None, None, None, None, None, False, id(None)))
             continue
         params = m._parameters
-        weight = params.get("weight")
-        # (pointer, shape, strides) of a local weight
-        ptr = (
-            (weight.data_ptr(), weight.shape, weight.stride())
-            if type(weight) in PLAIN_TENSORS
-            else None
-        )
+        weight, bias = params.get("weight"), params.get("bias")
         hooked = bool(m._forward_hooks or m._forward_pre_hooks)
         children.append(
             (
                 name,
                 m,
                 weight,
-                ptr,
-                params.get("bias"),
+                _data_of(weight),
+                bias,
+                _data_of(bias),
                 hooked,
                 id(m.__dict__.get("forward")),
             )
@@ -328,7 +335,7 @@ def _unchanged(module: nn.Module, watched: tuple) -> bool:
     if type(module) is not cls:
         return False
     mods = module._modules
-    for name, m, weight, ptr, bias, hooked, forward in children:
+    for name, m, weight, weight_data, bias, bias_data, hooked, forward in children:
         if mods.get(name) is not m:
             return False
         if m is None:
@@ -337,14 +344,8 @@ def _unchanged(module: nn.Module, watched: tuple) -> bool:
         if (
             params.get("weight") is not weight
             or params.get("bias") is not bias
-            or (
-                ptr is not None
-                and (
-                    weight.data_ptr() != ptr[0]
-                    or weight.shape != ptr[1]
-                    or weight.stride() != ptr[2]
-                )
-            )
+            or _moved(weight, weight_data)
+            or _moved(bias, bias_data)
             or bool(m._forward_hooks or m._forward_pre_hooks) is not hooked
             or id(m.__dict__.get("forward")) != forward
         ):

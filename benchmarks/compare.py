@@ -247,6 +247,16 @@ def families(ours, device="cuda", dtype=BF16, scale=1, timer=None, host_timer=No
     return result
 
 
+def training_mode(module: nn.Module, device, dtype) -> nn.Module:
+    """``module`` on ``device`` in ``dtype``, training, its dropouts (T5's, ModernBERT's)
+    at p = 0 so that every peer computes the same."""
+    module = module.to(device, dtype).train()
+    for dropout in module.modules():
+        if isinstance(dropout, nn.Dropout):
+            dropout.p = 0.0
+    return module
+
+
 def training(ours, device="cuda", dtype=BF16, scale=1, **timers):
     """Each family's feed-forward at one real model size, one training step (the input and
     every parameter trainable, dropout at p = 0 so that every peer computes the same):
@@ -267,10 +277,7 @@ def training(ours, device="cuda", dtype=BF16, scale=1, **timers):
 
     modules = family_modules(ours, scale)
     for name, (module, layer, tokens, hidden) in modules.items():
-        module = module.to(device, dtype).train()
-        for dropout in module.modules():
-            if isinstance(dropout, nn.Dropout):  # T5's and ModernBERT's
-                dropout.p = 0.0
+        module = training_mode(module, device, dtype)
         peers = {"eager": module, "compile": torch.compile(module)}
         liger = lib.liger_mlp(module) if layer is ours.layers.GeGLUMLP else None
         if liger is not None:  # Liger has Gemma's MLP only

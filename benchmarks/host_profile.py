@@ -62,13 +62,17 @@ def mlp_us_in_generate(models: dict, ids, gen: dict, rounds: int = 5) -> dict:
     return {name: statistics.median(us) for name, us in per_round.items()}
 
 
+def kernel_modules(mlp, *names: str) -> tuple:
+    """The modules ``names`` of the package whose layer ``mlp`` runs (the one kernelize
+    loaded, not necessarily lib.load_ours()'s module objects)."""
+    package = mlp.forward.__func__.__module__.rpartition(".")[0]
+    return tuple(sys.modules[f"{package}.{name}"] for name in names)
+
+
 def breakdown(mlp, x) -> dict:
     """Host µs of the pieces of one kernelized MLP call at 1 token (``mlp``: a kernelized
     GemmaMLP, its route prepared), beside eager's single ops for scale."""
-    # the package kernelize loaded (not necessarily lib.load_ours()'s module objects)
-    layers = sys.modules[mlp.forward.__func__.__module__]
-    package = layers.__name__.rpartition(".")[0]
-    route_module, gemm = (sys.modules[f"{package}.{m}"] for m in ("route", "gemm"))
+    layers, route_module, gemm = kernel_modules(mlp, "layers", "route", "gemm")
     route_of, family = route_module.module_route, layers.GEMMA_MLP
     route = route_of(mlp, family)
     launch = route.mlp_launch
@@ -108,9 +112,7 @@ def pieces_in_generate(model, ids, gen: dict) -> dict:
     """Host µs per call of the pieces of the kernelized MLP call inside greedy
     ``generate()`` (medians; each piece timed by a wrapper, which adds its own cost)."""
     mlp = model.model.layers[0].mlp
-    layers = sys.modules[mlp.forward.__func__.__module__]
-    package = layers.__name__.rpartition(".")[0]
-    gemm, launch = (sys.modules[f"{package}.{m}"] for m in ("gemm", "launch"))
+    layers, gemm, launch = kernel_modules(mlp, "layers", "gemm", "launch")
     spent: dict[str, list] = {}
 
     def timed(name, fn):
@@ -129,7 +131,7 @@ def pieces_in_generate(model, ids, gen: dict) -> dict:
         (layers, "mlp_output"),
         (gemm.MLPLaunch, "__call__"),
         (gemm, "stream_scratch"),
-        (gemm, "current_stream"),
+        (gemm, "current_device_and_stream"),
         (launch.Launcher, "launch_aligned"),
         (torch, "empty_like"),
     ]
@@ -149,14 +151,11 @@ def pieces_in_generate(model, ids, gen: dict) -> dict:
 def training_profile(family: str, top: int) -> str:
     """One family's training step (compare.py's, bf16) of eager and of our layer: host µs
     per step (interleaved 20-step loops) and a cProfile of 20 of our steps."""
-    from compare import family_modules
+    from compare import family_modules, training_mode
 
     ours = lib.load_ours()
     module, layer, tokens, hidden = family_modules(ours)[family]
-    module = module.to("cuda", torch.bfloat16).train()
-    for dropout in module.modules():
-        if isinstance(dropout, torch.nn.Dropout):
-            dropout.p = 0.0
+    module = training_mode(module, "cuda", torch.bfloat16)
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
     x.requires_grad_(True)
     params = [x, *module.parameters()]

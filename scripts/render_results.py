@@ -190,44 +190,40 @@ def training_section(training: dict) -> list[str]:
         "only the input trainable): ms, and peak extra MiB in parentheses; "
         "interleaved rounds, medians."
     )
-    rows = [
-        [f"{name} ({r['tokens']} tokens)"]
-        + [
-            f"{ms(r[p]['ms'])} ({r[p]['peak_extra_MiB']:.0f})" if p in r else "-"
-            for p in peers
-        ]
-        for name, r in training.items()
-    ]
     names = PEERS | {"ours": "fused-geglu layer"}
-    lines += table([""] + [names[p] for p in peers], rows) + [""]
+    head = [""] + [names[p] for p in peers]
+
+    def rows(steps: dict, cell) -> list[list[str]]:
+        return [
+            [f"{name} ({r['tokens']} tokens)"]
+            + [cell(r[p]) if p in r else "-" for p in peers]
+            for name, r in steps.items()
+        ]
+
+    lines += table(
+        head, rows(training, lambda c: f"{ms(c['ms'])} ({c['peak_extra_MiB']:.0f})")
+    )
     gpu_timed = {
         n: r
         for n, r in training.items()
         if any("gpu_ms" in r[p] for p in peers if p in r)
     }
     if not gpu_timed:
-        return lines
-    lines += paragraph(
+        return lines + [""]
+    lines += [""] + paragraph(
         "The same steps' GPU time, ms, with the host ahead (20 steps queued behind a "
         "spin kernel: what a step costs where a model's queue keeps the GPU busy), and "
         "for steps under 1 ms the host time per step, µs, in parentheses (20-step "
         "loops, interleaved rounds, medians): the ms above is about the larger of the "
         "two."
     )
-    rows = [
-        [f"{name} ({r['tokens']} tokens)"]
-        + [
-            (
-                f"{ms(r[p]['gpu_ms'])}"
-                + (f" ({r[p]['host_us']:.0f})" if "host_us" in r[p] else "")
-            )
-            if p in r and "gpu_ms" in r[p]
-            else "-"
-            for p in peers
-        ]
-        for name, r in gpu_timed.items()
-    ]
-    return lines + table([""] + [names[p] for p in peers], rows) + [""]
+
+    def gpu_cell(c: dict) -> str:
+        if "gpu_ms" not in c:
+            return "-"
+        return ms(c["gpu_ms"]) + (f" ({c['host_us']:.0f})" if "host_us" in c else "")
+
+    return lines + table(head, rows(gpu_timed, gpu_cell)) + [""]
 
 
 def training_rerun_section(path: Path, result: dict) -> list[str]:

@@ -58,7 +58,7 @@ def t(*shape, dtype=bf16):
     return torch.zeros(shape, dtype=dtype)
 
 
-def elementwise(kernel, n_tensors, dtype, tanh, tile, int64):
+def elementwise(kernel, dtype, tanh, tile, int64):
     block_m, block_n, warps = tile
     names = [p.name for p in kernel.params if not p.is_constexpr]
     args = {n: (t(64, dtype=dtype) if n.endswith("_ptr") else 1 << 20) for n in names}
@@ -149,12 +149,12 @@ def decode_mlp(H, I, N, dtype, bias):
 E = gemm.Epilogue
 flat = (1, ew.FLAT_BLOCK, ew.FLAT_WARPS)
 CASES = {
-    "geglu forward, tanh, bf16, flat": elementwise(act.geglu_fwd_kernel, 3, bf16, True, flat, False),
+    "geglu forward, tanh, bf16, flat": elementwise(act.geglu_fwd_kernel, bf16, True, flat, False),
     "geglu forward, exact, fp32, rows, int64": elementwise(
-        act.geglu_fwd_kernel, 3, fp32, False, ew.row_tile_config(13824, 4), True),
-    "geglu backward, tanh, bf16, flat": elementwise(act.geglu_bwd_kernel, 5, bf16, True, flat, False),
+        act.geglu_fwd_kernel, fp32, False, ew.row_tile_config(13824, 4), True),
+    "geglu backward, tanh, bf16, flat": elementwise(act.geglu_bwd_kernel, bf16, True, flat, False),
     "geglu backward, exact, fp16, rows": elementwise(
-        act.geglu_bwd_kernel, 5, fp16, False, ew.row_tile_config(512, 2), False),
+        act.geglu_bwd_kernel, fp16, False, ew.row_tile_config(512, 2), False),
     "gemm decode, gated tanh, split 4": portable_gemm(
         1, 16384, 2048, bf16, E(activation=gemm.GELU_TANH, gated=True), split=4),
     "gemm 32 rows, exact + bias + preact, uneven K": portable_gemm(

@@ -240,3 +240,77 @@ def bit_for_bit(fused_geglu, approximate: str) -> bool:
     if not launch._USER_LIBDEVICE:
         assert launch.TOOLKIT_LIBDEVICE == launch._toolkit_libdevice()
     return approximate == "tanh" or launch.TOOLKIT_LIBDEVICE is not None
+
+
+# --- FP8 (transformers' FineGrainedFP8: 128 x 128 weight blocks, dynamic activations) ---
+
+FP8 = torch.float8_e4m3fn
+FP8_BLOCK = 128
+
+
+def fp8_quantize_weight(w: torch.Tensor, power_of_two: bool = False):
+    """(e4m3 weight, fp32 scales [ceil(N/128), ceil(K/128)]) with weight * scale ~ w per
+    128 x 128 block, scale = amax / 448 (``power_of_two``: rounded up to a power of two,
+    as ue8m0 scales are)."""
+    n, k = w.shape
+    rows, cols = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = torch.zeros(rows * FP8_BLOCK, cols * FP8_BLOCK, dtype=torch.float32)
+    padded[:n, :k] = w.float().cpu()
+    blocks = padded.view(rows, FP8_BLOCK, cols, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+    scale = scale.clamp_min(1e-12)
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(FP8)
+    return q.view(padded.shape)[:n, :k].contiguous().to(w.device), scale.to(w.device)
+
+
+def fp8_dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float64 weight an FP8Linear stands for."""
+    n, k = q.shape
+    s = scale.double().repeat_interleave(FP8_BLOCK, 0)[:n]
+    return q.double() * s.repeat_interleave(FP8_BLOCK, 1)[:, :k]
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' dynamic activation quantization, in x's precision at least fp32: per
+    row and 128 columns s = amax / 448, q = e4m3(x / max(s, 1e-12)). Returns (e4m3 q of x's
+    shape, s [..., ceil(K/128)])."""
+    work = x.double() if x.dtype == torch.float64 else x.float()
+    k = x.shape[-1]
+    blocks = -(-k // FP8_BLOCK)
+    padded = torch.zeros(
+        *x.shape[:-1], blocks * FP8_BLOCK, dtype=work.dtype, device=x.device
+    )
+    padded[..., :k] = work
+    padded = padded.unflatten(-1, (blocks, FP8_BLOCK))
+    s = padded.abs().amax(-1) / 448.0
+    q = (padded / s.clamp_min(1e-12)[..., None]).clamp(-448, 448)
+    q = q.float().to(FP8).flatten(-2)[..., :k]
+    return q, s
+
+
+def fp8_linear(x, q, scale, bias=None, *, exact: bool):
+    """An FP8Linear's output: ``exact``, the float64 product of x's quantization with the
+    dequantized weight (the reference); else transformers' path in x's dtype (fp32
+    quantization and products, output rounded to x's dtype, then the bias added)."""
+    xq, xs = fp8_quantize_rows(x)
+    k = x.shape[-1]
+    dtype = torch.float64 if exact else torch.float32
+    xd = xq.to(dtype) * xs.to(dtype).repeat_interleave(FP8_BLOCK, -1)[..., :k]
+    out = xd @ fp8_dequantize_weight(q, scale).to(dtype).T
+    if exact:
+        return out if bias is None else out + bias.double()
+    out = out.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def fp8_geglu_mlp(x, weights, scales, biases, approximate, *, exact: bool):
+    """The FP8 GemmaMLP: FP8Linear projections around act(gate) * up (float64 with
+    ``exact``, else eager's rounding in x's dtype)."""
+    if exact:
+        x = x.double()
+    (wg, wu, wd), (sg, su, sd), (bg, bu, bd) = weights, scales, biases
+    gate = fp8_linear(x, wg, sg, bg, exact=exact)
+    up = fp8_linear(x, wu, su, bu, exact=exact)
+    return fp8_linear(eager_geglu(gate, up, approximate), wd, sd, bd, exact=exact)

@@ -32,6 +32,7 @@ act, gk, gemm, ew = fg.activation, fg.gemm_kernels, fg.gemm, fg.elementwise
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = CUDABackend(TARGET)
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+fp8 = torch.float8_e4m3fn
 
 
 def compiled(kernel, args: dict, constexprs: dict, options: dict) -> None:
@@ -68,12 +69,22 @@ def elementwise(kernel, dtype, tanh, tile, int64):
     return kernel, args, consts, {"num_warps": warps}
 
 
+def fp8_scales(epi):
+    # The scale pointers an FP8 epilogue reads and writes (fp32), else None.
+    return {"a_scale_ptr": t(64, dtype=fp32) if epi.fp8 else None,
+            "b_scale_ptr": t(64, dtype=fp32) if epi.fp8 else None,
+            "b_up_scale_ptr": t(64, dtype=fp32) if epi.fp8 and epi.gated else None,
+            "c_scale_ptr": t(64, dtype=fp32) if epi.quant_out else None,
+            "stride_bsn": 16, "stride_bsk": 1}
+
+
 def portable_gemm(M, N, K, dtype, epi, split=1):
-    cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, False, False)
+    cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, False, False, epi.fp8)
     names = [p.name for p in gk.gemm_kernel.params if not p.is_constexpr]
+    c_dtype = fp8 if epi.quant_out else bf16 if epi.fp8 else dtype
     args = {n: None for n in names}
     args |= {"a_ptr": t(64, dtype=dtype), "b_ptr": t(64, dtype=dtype),
-             "c_ptr": t(64, dtype=dtype), "M": M, "N": N, "K": K}
+             "c_ptr": t(64, dtype=c_dtype), "M": M, "N": N, "K": K}
     args |= {n: 4096 for n in names if n.startswith("stride_")}
     args |= {"stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "stride_buk": 1,
              "stride_zk": 1, "stride_bias": 1, "stride_bias_up": 1}
@@ -91,6 +102,7 @@ def portable_gemm(M, N, K, dtype, epi, split=1):
         args["bias_grad_ptr"] = t(64, dtype=fp32)
     if split > 1:
         args["ws_ptr"], args["counters_ptr"] = t(64, dtype=fp32), t(64, dtype=torch.int32)
+    args |= fp8_scales(epi)
     consts = {**epi.constexprs(), **cfg.constexprs(), "SPLIT_K": split,
               "EVEN_K": K % cfg.block_k == 0,
               "INPUT_PRECISION": gemm._input_precision(dtype)}
@@ -100,7 +112,8 @@ def portable_gemm(M, N, K, dtype, epi, split=1):
 
 def tma_gemm(M, N, K, dtype, epi, a_t=False, b_t=False):
     extra = epi.dact != gemm.NO_ACT or epi.accumulate or (epi.store_preact and not epi.gated)
-    cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, True, extra)
+    cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, True, extra, epi.fp8)
+    c_dtype = fp8 if epi.quant_out else bf16 if epi.fp8 else dtype
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     a_block = [bk, bm] if a_t else [bm, bk]
     if epi.gated:
@@ -113,13 +126,14 @@ def tma_gemm(M, N, K, dtype, epi, a_t=False, b_t=False):
         "b_desc": b_desc,
         "z_desc": TensorDescriptor.from_tensor(t(M, K, dtype=dtype), a_block)
         if epi.dact else None,
-        "c_desc": TensorDescriptor.from_tensor(t(M, N, dtype=dtype), [bm, bn]),
+        "c_desc": TensorDescriptor.from_tensor(t(M, N, dtype=c_dtype), [bm, bn]),
         "bias_ptr": t(64, dtype=dtype) if epi.has_bias else None,
         "bias_up_ptr": t(64, dtype=dtype) if epi.has_bias and epi.gated else None,
         "preact_ptr": t(64, dtype=dtype) if epi.store_preact else None,
         "preact_up_ptr": t(64, dtype=dtype) if epi.store_preact and epi.gated else None,
         "bias_grad_ptr": t(64, dtype=fp32) if epi.bias_grad else None,
         "M": M, "N": N, "K": K, "stride_bias": 1, "stride_bias_up": 1,
+        **fp8_scales(epi),
     }
     consts = {**epi.constexprs(), **cfg.constexprs(), "A_T": a_t, "B_T": b_t,
               "UP_FIRST": False, "INPUT_PRECISION": gemm._input_precision(dtype)}
@@ -127,19 +141,26 @@ def tma_gemm(M, N, K, dtype, epi, a_t=False, b_t=False):
     return gk.gemm_tma_kernel, args, consts, options
 
 
-def decode_mlp(H, I, N, dtype, bias):
-    cfg = {"BLOCK_I": 128, "BLOCK_K": 128 if dtype != fp32 else 64, "BLOCK_N": 128,
-           "num_warps": 8, "num_stages": 3}
+def decode_mlp(H, I, N, dtype, bias, fp8_weights=False):
+    cfg = gemm.mlp_config(H, I, dtype, "cuda", fp8_weights) if fp8_weights else {
+        "BLOCK_I": 128, "BLOCK_K": 128 if dtype != fp32 else 64, "BLOCK_N": 128,
+        "num_warps": 8, "num_stages": 3}
     names = [p.name for p in gk.geglu_mlp_kernel.params if not p.is_constexpr]
     args = {n: t(64, dtype=dtype) for n in names if n.endswith("_ptr")}
     args |= {"sums_ptr": t(64, dtype=fp32), "arrivals_ptr": t(1, dtype=torch.int32)}
+    scales = ("gate_scale_ptr", "up_scale_ptr", "down_scale_ptr")
+    args |= {n: t(64, dtype=fp32) if fp8_weights else None for n in scales}
+    if fp8_weights:
+        args |= {n: t(64, dtype=fp8) for n in ("w_gate_ptr", "w_up_ptr", "w_down_ptr")}
     if not bias:
         args |= {"bias_gate_ptr": None, "bias_up_ptr": None, "bias_down_ptr": None}
     args |= {n: H for n in names if n.startswith("stride_")}
     args |= {"stride_xk": 1, "stride_gk": 1, "stride_uk": 1, "stride_dk": 1,
              "stride_on": 1, "stride_bias_gate": 1, "stride_bias_up": 1,
-             "stride_bias_down": 1, "M": 3, "H": H, "I": I, "N": N}
+             "stride_bias_down": 1, "stride_gsk": 1, "stride_dsk": 1, "M": 3, "H": H,
+             "I": I, "N": N}
     consts = {"HAS_BIAS": bias, "HAS_DOWN_BIAS": bias, "ACTIVATION": gemm.GELU_TANH,
+              "FP8": fp8_weights,
               "EVEN_K": H % cfg["BLOCK_K"] == 0, "BLOCK_M": gemm.MLP_MAX_TOKENS,
               "INPUT_PRECISION": gemm._input_precision(dtype), **cfg}
     options = {k: consts.pop(k) for k in ("num_warps", "num_stages")}
@@ -172,6 +193,19 @@ CASES = {
         8192, 2048, 16384, fp16, E(accumulate=True), b_t=True),
     "decode MLP, bf16, even K": decode_mlp(2048, 16384, 2048, bf16, False),
     "decode MLP, fp16, uneven K, biases": decode_mlp(1000, 3000, 1000, fp16, True),
+    "fp8 quantize": (gk.quantize_fp8_kernel, {"x_ptr": t(64), "q_ptr": t(64, dtype=fp8),
+        "s_ptr": t(64, dtype=fp32), "M": 4096, "K": 2048, "stride_xm": 2048,
+        "stride_xk": 1}, {"BLOCK_M": 32, "BLOCK_K": 128}, {"num_warps": 4}),
+    "fp8 decode MLP, biases": decode_mlp(2048, 16384, 2048, bf16, True, fp8_weights=True),
+    "fp8 gemm 64 rows, gated, h quantized": portable_gemm(
+        64, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
+                                quant_out=True, act_bf16=True)),
+    "fp8 gemm decode, down, split 4": portable_gemm(
+        16, 2048, 16384, fp8, E(fp8=True), split=4),
+    "fp8 tma dual gemm, h quantized, bias": tma_gemm(
+        8192, 16384, 2048, fp8, E(activation=gemm.GELU, gated=True, has_bias=True,
+                                  fp8=True, quant_out=True, act_bf16=True)),
+    "fp8 tma gemm, down": tma_gemm(8192, 2048, 16384, fp8, E(fp8=True)),
 }
 results = {}
 for name, (kernel, args, consts, options) in CASES.items():
@@ -195,6 +229,6 @@ def test_every_kernel_compiles_for_hopper():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 13
+    assert len(results) == 19
     failed = {name: error for name, error in results.items() if error is not None}
     assert not failed, json.dumps(failed, indent=1)

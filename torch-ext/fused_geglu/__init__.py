@@ -2,12 +2,21 @@
 
 from . import layers
 from .integration import kernelize_mlps
-from .ops import geglu, geglu_linear, geglu_mlp, gelu_and_mul, gelu_tanh_and_mul, linear
+from .ops import (
+    geglu,
+    geglu_linear,
+    geglu_mlp,
+    geglu_mlp_fp8,
+    gelu_and_mul,
+    gelu_tanh_and_mul,
+    linear,
+)
 
 __all__ = [
     "geglu",
     "geglu_linear",
     "geglu_mlp",
+    "geglu_mlp_fp8",
     "gelu_and_mul",
     "gelu_tanh_and_mul",
     "kernelize_mlps",

@@ -231,3 +231,80 @@ def check_gelu_and_mul(op: str, out: torch.Tensor, x: torch.Tensor) -> None:
             f"{tuple(x.shape)}, {x.dtype}, {x.device}). Use geglu(x[..., :d], x[..., d:]) "
             f"for a differentiable result, or call it under torch.no_grad()"
         )
+
+
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+# Block scales: fp32, or e8m0 (transformers' scale_fmt="ue8m0"), decoded to fp32 once.
+FP8_SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
+FP8_ACT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def fp8_scale_shape(weight: torch.Tensor) -> tuple[int, int]:
+    """The [ceil(out/128), ceil(in/128)] block scales of a 128 x 128-block FP8 weight."""
+    n, k = weight.shape
+    return -(-n // 128), -(-k // 128)
+
+
+def check_geglu_mlp_fp8(op: str, x, weights: dict, scales: dict, biases: dict) -> None:
+    """geglu_mlp_fp8: x 16-bit [..., H]; e4m3 weights [I, H], [I, H], [N, I] with 128 x 128
+    block scales; biases in x's dtype; one device; inference only."""
+    tensors = {"x": x, **weights, **scales, **given(**biases)}
+    for name, t in tensors.items():
+        if type(t) not in PLAIN_TENSORS:
+            raise TypeError(
+                f"{op}: {name} must be a local torch.Tensor, got {type(t).__name__}"
+            )
+    device = x.device
+    if any(t.device != device for t in tensors.values()):
+        raise ValueError(
+            f"{op}: expected all tensors on one device ({describe(tensors)})"
+        )
+    if not kernels_run_on(device):
+        raise RuntimeError(
+            f"{op}: Triton kernels cannot run on {device.type} tensors here (a GPU, or "
+            f"the CPU with TRITON_INTERPRET=1) ({describe(tensors)})"
+        )
+    if x.dtype not in FP8_ACT_DTYPES or any(
+        b.dtype != x.dtype for b in given(**biases).values()
+    ):
+        raise TypeError(
+            f"{op}: x must be bfloat16 or float16 and the biases of x's dtype "
+            f"({describe(tensors)})"
+        )
+    if any(w.dtype != FP8_WEIGHT_DTYPE or w.dim() != 2 for w in weights.values()):
+        raise TypeError(
+            f"{op}: the weights must be 2-D torch.float8_e4m3fn ({describe(tensors)})"
+        )
+    (gate, w_gate), (up, w_up), (down, w_down) = weights.items()
+    hidden = x.shape[-1] if x.dim() else None
+    if (
+        w_gate.shape != w_up.shape
+        or w_gate.shape[1] != hidden
+        or (w_down.shape[1] != w_gate.shape[0])
+    ):
+        raise ValueError(
+            f"{op}: expected x [..., H], {gate} and {up} [I, H], {down} [N, I] "
+            f"({describe(tensors)})"
+        )
+    for (name, s), w in zip(scales.items(), weights.values()):
+        if s.dtype not in FP8_SCALE_DTYPES or tuple(s.shape) != fp8_scale_shape(w):
+            raise ValueError(
+                f"{op}: {name} must be float32 or float8_e8m0fnu block scales of shape "
+                f"{fp8_scale_shape(w)} (128 x 128 blocks) ({describe(tensors)})"
+            )
+    (b_gate, b_up, b_down) = biases.values()
+    if (b_gate is None) != (b_up is None):
+        raise ValueError(f"{op}: pass both gate and up biases or neither")
+    for b, w, name in (
+        (b_gate, w_gate, "b_gate"),
+        (b_up, w_up, "b_up"),
+        (b_down, w_down, "b_down"),
+    ):
+        check_bias(op, b, w, name)
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, *biases.values())
+    ):
+        raise RuntimeError(
+            f"{op}: inference only; x or a bias requires grad (call it under "
+            f"torch.no_grad() or torch.inference_mode()) ({describe(tensors)})"
+        )

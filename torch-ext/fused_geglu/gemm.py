@@ -10,6 +10,12 @@ Every entry point computes into ``c`` ([M, N]) from ``a`` ([M, K]) and weights i
   geglu_mlp_small(x, w_gate, w_up, w_down, out, act)
                                          out = gemm_gated(x, ...) @ w_down^T + bias_down,
                                          one launch, for at most MLP_MAX_TOKENS rows
+FP8 (e4m3 weights with 128 x 128 block scales, transformers' FineGrainedFP8):
+  quantize_fp8(x, q, s)                  q, s = x per row and 128 columns (e4m3, scales)
+  gemm_fp8(a, a_scale, b, b_scale, c)    c = (a, a_scale) @ (b, b_scale)^T + bias
+  gemm_gated_fp8(a, a_scale, b_gate, gate_scale, b_up, up_scale, h, h_scale, act)
+                                         h, h_scale = quantize(round(act(gate)) * up)
+  geglu_mlp_small(..., scales=(gate_scale, up_scale, down_scale)) with e4m3 weights
 
 ``act`` is an activation code: GELU (exact) or GELU_TANH. Rounding points are eager's
 (gemm_kernels.py). Configurations are chosen in ``gemm_config`` from the shape class; a
@@ -22,7 +28,13 @@ from dataclasses import dataclass
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gemm_kernels import geglu_mlp_kernel, gemm_kernel, gemm_tma_kernel
+from .gemm_kernels import (
+    FP8_BLOCK,
+    geglu_mlp_kernel,
+    gemm_kernel,
+    gemm_tma_kernel,
+    quantize_fp8_kernel,
+)
 from .launch import (
     INTERPRETED,
     BoundedCache,
@@ -69,6 +81,7 @@ def gemm_config(
     gated: bool,
     tma: bool,
     extra_tiles: bool,
+    fp8: bool = False,
 ) -> GemmConfig:
     """Launch configuration by shape class (the one place it is chosen), from the H200 sweep
     in benchmarks/results/*-tune.json (Gemma-2B shapes, bf16).
@@ -84,7 +97,10 @@ def gemm_config(
     pre-activation): 128x128 tiles, chosen to fit 3 stages in 227 KB, not swept.
     Portable: 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages
     (gated). fp32 operands halve BLOCK_K to fit shared memory.
+    FP8: ``fp8_config``.
     """
+    if fp8:
+        return fp8_config(M, gated, tma)
     if INTERPRETED:
         return GemmConfig(32, 64, 32, 4, 4, 1)
     wide = dtype != torch.float32
@@ -107,6 +123,20 @@ def gemm_config(
     return GemmConfig(
         128, 128, 64 if wide else 32, 8, 8 if gated else 4, 3 if gated else 4
     )
+
+
+def fp8_config(M: int, gated: bool, tma: bool) -> GemmConfig:
+    """FP8 GEMMs: BLOCK_K is the scale block (128); a gated GEMM's BLOCK_N too (it
+    quantizes h per 128 columns), and a single one's divides it. The H200 sweep's best
+    (benchmarks/results/*-tune-fp8.json)."""
+    block_n = FP8_BLOCK if gated else 64
+    if INTERPRETED:
+        return GemmConfig(32, block_n, FP8_BLOCK, 4, 4, 1)
+    if M <= 64:
+        return GemmConfig(16 if M <= 16 else 64, block_n, FP8_BLOCK, 1, 4, 4)
+    if tma:
+        return GemmConfig(128, FP8_BLOCK, FP8_BLOCK, 8 if gated else 16, 8, 4)
+    return GemmConfig(64, FP8_BLOCK, FP8_BLOCK, 8, 4, 3)
 
 
 # Split-K: each program sums at least this many K-tiles (shorter loops barely pipeline).
@@ -132,7 +162,10 @@ def tma_applies(M: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a GEMM with M rows of 16-bit operands takes the TMA kernel (when its operands
     are aligned). Decode shapes (M <= 64: weight streaming) and fp32 (not a performance
     target) take the portable kernel."""
-    return M > 64 and dtype in (torch.float16, torch.bfloat16) and has_tma(device)
+    return M > 64 and dtype in _TMA_DTYPES and has_tma(device)
+
+
+_TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def tma_tiles_fill_gpu(M: int, N: int, K: int, dtype, device) -> bool:
@@ -268,6 +301,9 @@ class Epilogue:
     bias_grad: bool = False
     accumulate: bool = False
     has_bias: bool = False
+    fp8: bool = False
+    quant_out: bool = False
+    act_bf16: bool = False  # quant_out: h's dtype before quantization
 
     def constexprs(self) -> dict:
         return {
@@ -278,6 +314,9 @@ class Epilogue:
             "DACT": self.dact,
             "BIAS_GRAD": self.bias_grad,
             "ACCUMULATE": self.accumulate,
+            "FP8": self.fp8,
+            "QUANT_OUT": self.quant_out,
+            "ACT_BF16": self.act_bf16,
         }
 
 
@@ -292,7 +331,9 @@ class _Plan:
             epi.dact != NO_ACT or epi.accumulate or (epi.store_preact and not epi.gated)
         )
         self.tma = tma
-        self.cfg = cfg = gemm_config(M, N, K, dtype, epi.gated, tma, extra_tiles)
+        self.cfg = cfg = gemm_config(
+            M, N, K, dtype, epi.gated, tma, extra_tiles, epi.fp8
+        )
         self.tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
         self.split = 1
         if not tma and M <= 64 and not epi.bias_grad:  # row sums are not split
@@ -347,8 +388,9 @@ def _rows(t: torch.Tensor) -> tuple[int, int, tuple[int, int]]:
 
 
 def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
-          preact_up=None, z=None, bias_grad=None) -> None:  # fmt: skip
-    """``a`` and ``c``: 2-D, or contiguous of any rank (seen as rows)."""
+          preact_up=None, z=None, bias_grad=None, scales=(None,) * 4) -> None:  # fmt: skip
+    """``a`` and ``c``: 2-D, or contiguous of any rank (seen as rows); ``scales``: FP8's
+    (a_scale, b_scale, b_up_scale, c_scale)."""
     M, K, stride_a = _rows(a)
     N = b.shape[0]
     if M == 0 or N == 0:
@@ -365,6 +407,7 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         *_rows(c)[2], *(none2 if z is None else z.stride()),
         None if bias is None else bias.stride(0),
         None if bias_up is None else bias_up.stride(0),
+        *(none2 if scales[1] is None else scales[1].stride()),
     )  # fmt: skip
     key = (M, N, K, dtype, device, epi, strides)
     plan = _PLANS.get(key)
@@ -381,7 +424,7 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
             grid = min(plan.tiles, num_programs(device))
             launcher(
                 grid, a_d, b_d, z_d, c_d, bias, bias_up, preact, preact_up, bias_grad,
-                M, N, K, *strides[-2:],
+                *scales, M, N, K, *strides[-4:],
             )  # fmt: skip
             return
         # Hopper, but an operand TMA cannot describe: the portable kernel's plan.
@@ -396,7 +439,7 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         )
     plan.launchers(
         plan.tiles * plan.split, a, b, b_up, bias, bias_up, c, preact, preact_up, z,
-        bias_grad, ws, counters, M, N, K, *strides,
+        bias_grad, ws, counters, *scales, M, N, K, *strides,
     )  # fmt: skip
 
 
@@ -490,6 +533,79 @@ def gemm_gated(
     )  # fmt: skip
 
 
+# --- FP8 ----------------------------------------------------------------------------------
+
+_QUANTIZE_PLANS = BoundedCache(256)
+
+
+def quantize_fp8(
+    x: torch.Tensor,  # [M, K] (2-D, or contiguous seen as rows)
+    q: torch.Tensor,  # [M, K] e4m3, contiguous
+    s: torch.Tensor,  # [cdiv(K, 128), M] fp32, contiguous
+) -> None:
+    """q, s = x quantized per row and 128 columns (gemm_kernels.quantize_rows), the scales
+    K-block-major: the A operand of gemm_fp8 / gemm_gated_fp8."""
+    M, K, (stride_m, stride_k) = _rows(x)
+    if M == 0 or K == 0:
+        return
+    block_m = 16 if INTERPRETED else 32
+    # What Triton specialises the int arguments on: one compiled kernel per launcher.
+    key = (
+        x.dtype,
+        x.device,
+        *((v == 1, v % 16 == 0) for v in (M, K, stride_m, stride_k)),
+    )
+    launcher = _QUANTIZE_PLANS.get(key)
+    if launcher is None:
+        launcher = _QUANTIZE_PLANS[key] = Launcher(
+            quantize_fp8_kernel,
+            {"BLOCK_M": block_m, "BLOCK_K": FP8_BLOCK, "num_warps": 4, "num_stages": 1},
+        )
+    grid = cdiv(M, block_m) * cdiv(K, FP8_BLOCK)
+    launcher(grid, x, q, s, M, K, stride_m, stride_k)
+
+
+def gemm_fp8(
+    a: torch.Tensor,  # [M, K] e4m3
+    a_scale: torch.Tensor,  # [cdiv(K, 128), M] fp32
+    b: torch.Tensor,  # [N, K] e4m3
+    b_scale: torch.Tensor,  # [cdiv(N, 128), cdiv(K, 128)] fp32
+    c: torch.Tensor,  # [M, N], 16-bit
+    *,
+    bias: torch.Tensor | None = None,  # [N]
+) -> None:
+    """c = (a * a_scale) @ (b * b_scale)^T + bias, each scale over its 128-wide blocks;
+    the fp32 product of each K block is scaled as it is added."""
+    epi = (NO_ACT, False, False, NO_ACT, False, False, bias is not None, True)
+    _gemm(a, b, c, epi, bias=bias, scales=(a_scale, b_scale, None, None))
+
+
+def gemm_gated_fp8(
+    a: torch.Tensor,  # [M, K] e4m3
+    a_scale: torch.Tensor,  # [cdiv(K, 128), M] fp32
+    b_gate: torch.Tensor,  # [N, K] e4m3
+    gate_scale: torch.Tensor,  # [cdiv(N, 128), cdiv(K, 128)] fp32
+    b_up: torch.Tensor,  # [N, K] e4m3
+    up_scale: torch.Tensor,  # gate_scale's shape and strides
+    h: torch.Tensor,  # [M, N] e4m3, contiguous
+    h_scale: torch.Tensor,  # [cdiv(N, 128), M] fp32
+    activation: int,
+    act_dtype: torch.dtype,  # the 16-bit dtype gate, up and h are rounded in
+    *,
+    bias_gate: torch.Tensor | None = None,  # [N]
+    bias_up: torch.Tensor | None = None,  # [N]
+) -> None:
+    """h, h_scale = quantize_rows(round(act(gate)) * up) per row and 128 columns, with
+    gate/up the FP8 products as gemm_fp8's, rounded to ``act_dtype``: what the down
+    projection's FP8 GEMM reads."""
+    epi = (activation, True, False, NO_ACT, False, False, bias_gate is not None, True,
+           True, act_dtype == torch.bfloat16)  # fmt: skip
+    _gemm(
+        a, b_gate, h, epi, b_up=b_up, bias=bias_gate, bias_up=bias_up,
+        scales=(a_scale, gate_scale, up_scale, h_scale),
+    )  # fmt: skip
+
+
 # --- The whole MLP in one launch (decode) ------------------------------------------------
 
 # The most tokens geglu_mlp_small takes: one 16-row tile; its fp32 atomics grow with the
@@ -497,10 +613,17 @@ def gemm_gated(
 MLP_MAX_TOKENS = 16
 
 
-def mlp_config(H: int, I: int, dtype: torch.dtype, device: torch.device) -> dict:
+def mlp_config(
+    H: int, I: int, dtype: torch.dtype, device: torch.device, fp8: bool = False
+) -> dict:
     """geglu_mlp_kernel's tiles: one program per BLOCK_I intermediate columns, as many as
     fit one wave of the GPU (Gemma-2B, I = 16384: 128 programs of 128 columns); the
-    H200 sweep's best (benchmarks/results/*-tune-decode.json)."""
+    H200 sweep's best (benchmarks/results/*-tune-decode.json). FP8: every tile is 128
+    wide, the scale block."""
+    if fp8:
+        return {"BLOCK_I": FP8_BLOCK, "BLOCK_K": FP8_BLOCK, "BLOCK_N": FP8_BLOCK,
+                "num_warps": 4 if INTERPRETED else 8,
+                "num_stages": 1 if INTERPRETED else 3}  # fmt: skip
     if INTERPRETED:
         return {
             "BLOCK_I": 32,
@@ -532,10 +655,12 @@ def geglu_mlp_small(
     bias_gate: torch.Tensor | None = None,  # [I]
     bias_up: torch.Tensor | None = None,  # [I]
     bias_down: torch.Tensor | None = None,  # [N]
+    scales: tuple | None = None,  # FP8: (gate_scale, up_scale, down_scale), fp32
 ) -> None:
     """out = round(h @ w_down^T + bias_down), h = round(act(gate)) * up as gemm_gated's:
     the whole GeGLU MLP in one launch (geglu_mlp_kernel). Its fp32 sums are added in an
-    order that varies between launches."""
+    order that varies between launches. With ``scales``, e4m3 weights with 128 x 128
+    block scales, and x and h quantized as gemm_fp8's A operands (geglu_mlp_fp8)."""
     M, H, stride_x = _rows(x)
     I, N = w_gate.shape[0], w_down.shape[0]
     if M > MLP_MAX_TOKENS:
@@ -556,26 +681,36 @@ def geglu_mlp_small(
         None if bias_gate is None else bias_gate.stride(0),
         None if bias_up is None else bias_up.stride(0),
         None if bias_down is None else bias_down.stride(0),
+        *_scale_strides(scales),
     )  # fmt: skip
     grid, launcher = _mlp_plan(M, H, I, N, x.dtype, x.device, activation, strides)
     sums, arrivals = stream_scratch(_MLP_SCRATCH, x.device, M * N, 1, True)
     launcher(
         grid, x, w_gate, w_up, w_down, bias_gate, bias_up, bias_down, out, sums,
-        arrivals, M, H, I, N, *strides,
+        arrivals, *(scales or (None,) * 3), M, H, I, N, *strides,
     )  # fmt: skip
+
+
+def _scale_strides(scales: tuple | None) -> tuple:
+    """geglu_mlp_kernel's scale strides: the gate's (the up's are the same) and the down's."""
+    if scales is None:
+        return (None,) * 4
+    return (*scales[0].stride(), *scales[2].stride())
 
 
 def _mlp_plan(M, H, I, N, dtype, device, activation: int, strides: tuple) -> tuple:
     """(grid, launcher) of geglu_mlp_kernel; ``strides``: its stride arguments, None for
-    an absent bias."""
+    an absent bias or, without FP8, for the scales' (the last four)."""
     key = (M, H, I, N, dtype, device, activation, strides)
     plan = _MLP_PLANS.get(key)
     if plan is None:
-        cfg = mlp_config(H, I, dtype, device)
+        fp8 = strides[-1] is not None
+        cfg = mlp_config(H, I, dtype, device, fp8)
         constexprs = {
-            "HAS_BIAS": strides[-3] is not None,
-            "HAS_DOWN_BIAS": strides[-1] is not None,
+            "HAS_BIAS": strides[-7] is not None,
+            "HAS_DOWN_BIAS": strides[-5] is not None,
             "ACTIVATION": activation,
+            "FP8": fp8,
             "EVEN_K": H % cfg["BLOCK_K"] == 0,
             "INPUT_PRECISION": _input_precision(dtype),
             "BLOCK_M": MLP_MAX_TOKENS,  # one row tile holds every token
@@ -596,29 +731,37 @@ class MLPLaunch:
     where the host time of a call is the cost."""
 
     __slots__ = ("activation", "addresses", "device", "device_index", "device_type",
-                 "dtype", "hidden", "operands", "plans", "sizes", "strides")  # fmt: skip
+                 "dtype", "hidden", "operands", "plans", "scales", "sizes",
+                 "strides")  # fmt: skip
 
-    def __init__(self, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: int):
+    def __init__(self, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: int,
+                 scales: tuple | None = None, dtype: torch.dtype | None = None):  # fmt: skip
+        """``scales`` and ``dtype`` (x's) for e4m3 weights, as geglu_mlp_small's."""
         (I, H), N = w_gate.shape, w_down.shape[0]
         self.operands = (w_gate, w_up, w_down, b_gate, b_up, b_down)
-        # The operands' addresses, for the direct launch, where all are 16-byte aligned
-        # (None otherwise): valid while the route stands (it watches the weights' data
-        # pointers), the tensors kept alive by ``operands``.
-        addresses = tuple(None if t is None else t.data_ptr() for t in self.operands)
+        self.scales = scales or (None,) * 3
+        # The operands' and scales' addresses, for the direct launch, where all are
+        # 16-byte aligned (None otherwise): valid while the route stands (it watches
+        # their data pointers), the tensors kept alive by ``operands`` and ``scales``.
+        addresses = tuple(
+            None if t is None else t.data_ptr() for t in (*self.operands, *self.scales)
+        )
         aligned = all(a is None or a % 16 == 0 for a in addresses)
         self.addresses = addresses if aligned else None
         self.dtype, self.device, self.activation = (
-            w_gate.dtype,
+            dtype or w_gate.dtype,
             w_gate.device,
             activation,
         )
         self.device_type = self.device.type  # what the route's autocast check asks
         self.device_index = w_gate.get_device()  # -1 on the CPU (the interpreter)
         self.hidden, self.sizes = H, (H, I, N)
-        # Every stride argument after x's (H, 1): the weights', out's (N, 1), the biases'.
+        # Every stride argument after x's (H, 1): the weights', out's (N, 1), the biases',
+        # the scales'.
         self.strides = (
             *w_gate.stride(), *w_up.stride(), *w_down.stride(), N, 1,
             *(None if b is None else b.stride(0) for b in (b_gate, b_up, b_down)),
+            *_scale_strides(scales),
         )  # fmt: skip
         self.plans = {}  # rows -> (grid, launcher): at most MLP_MAX_TOKENS entries
 
@@ -643,12 +786,16 @@ class MLPLaunch:
         )
         sizes = (M, H, I, N, H, 1, *self.strides)
         # out and the scratch come from the allocator (aligned)
+        addresses = self.addresses
         if not (
-            self.addresses is not None
+            addresses is not None
             and not x.data_ptr() & 15
             and launcher.launch_aligned(
-                grid, device, stream, (x, *self.addresses, out, sums, arrivals, *sizes)
+                grid,
+                device,
+                stream,
+                (x, *addresses[:6], out, sums, arrivals, *addresses[6:], *sizes),
             )
         ):
-            launcher(grid, x, *self.operands, out, sums, arrivals, *sizes)
+            launcher(grid, x, *self.operands, out, sums, arrivals, *self.scales, *sizes)
         return out

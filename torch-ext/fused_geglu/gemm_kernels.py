@@ -14,6 +14,13 @@ its strides, so transposes are free. Constexpr flags select the fused work:
   BIAS_GRAD    the programs of the first N-tile column also reduce A over K (rows of
                dY^T): the bias gradient inside the weight-gradient GEMM
   ACCUMULATE   C += result (a second product into dX)
+  FP8          A and B are e4m3 with block scales (``BLOCK_K`` = 128 = the scale block): A's
+               one per row and 128 columns ([K/128, M]), B's one per 128 x 128 block
+               ([N/128, K/128]); each K step's fp32 product is scaled by both before it
+               is added (transformers' FineGrainedFP8 semantics, ``quantize_rows``)
+  QUANT_OUT    (FP8, GATED, BLOCK_N = 128) h leaves as e4m3 with one scale per row and
+               128 columns ([N/128, M]): the down projection's A, quantized as its own
+               prologue would; ``ACT_BF16`` names h's dtype before quantization
   SPLIT_K      (portable kernel) programs per output tile, each summing a slice of K into
                an fp32 workspace; the last to finish adds the slices in a fixed order
                (deterministic) and applies the epilogue: decode shapes with fewer output
@@ -32,6 +39,65 @@ from .launch import INTERPRETED
 # (exact products of the 16-bit values; GPUs also accumulate in fp32).
 DOT_IN_FP32 = tl.constexpr(INTERPRETED)
 
+# e4m3's largest finite value, and the block of the FP8 scales (rows of 128 columns).
+FP8_MAX = tl.constexpr(448.0)
+FP8_BLOCK = 128
+
+
+@triton.jit
+def _to_e4m3(x):
+    """fp32 -> e4m3, rounding to nearest even and saturating at +-448 (the GPU's
+    ``cvt.rn.satfinite``). The interpreter's conversion carries no rounding into the
+    exponent (125.3 -> 64): there x is first rounded in fp32 onto the e4m3 grid, where
+    its conversion is exact: ulp = 2^(max(e, -6) - 3), and (|x| + 2^23 ulp) - 2^23 ulp
+    rounds |x| to a multiple of ulp, to even."""
+    if DOT_IN_FP32:
+        exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        ulp_exponent = tl.maximum(exponent, -6) - 3
+        magic = ((ulp_exponent + 23 + 127) << 23).to(tl.float32, bitcast=True)
+        magnitude = tl.minimum((tl.abs(x) + magic) - magic, FP8_MAX)
+        x = tl.where(x < 0, -magnitude, magnitude)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize_rows(a):
+    """(e4m3 q, fp32 s) of an fp32 tile, one scale per row: s = max|a| / 448 and
+    q = round(a / max(s, 1e-12)), so q * s ~ a. transformers' dynamic FP8 activations
+    (the finegrained-fp8 kernels' inline quantization), per 128-column block."""
+    s = tl.max(tl.abs(a), axis=1) / FP8_MAX
+    return _to_e4m3(a / tl.maximum(s, 1e-12)[:, None]), s
+
+
+@triton.jit
+def quantize_fp8_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] e4m3, contiguous
+    s_ptr,  # [cdiv(K, BLOCK_K), M] fp32
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # the scale block (128)
+):
+    """q, s = quantize_rows(x) per row and BLOCK_K columns; the scales K-block-major, so a
+    GEMM step loads one block's scales of BLOCK_M rows contiguously."""
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    pid_m, pid_k = tl.program_id(0) // k_blocks, tl.program_id(0) % k_blocks
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & (offs_k < K)[None, :]
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+        mask=mask,
+        other=0.0,
+    )
+    q, s = quantize_rows(x.to(tl.float32))
+    tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
+    tl.store(s_ptr + pid_k * M + offs_m, s, mask=mask_m)
+
 
 @triton.jit
 def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
@@ -39,6 +105,13 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _scaled_dot(a, b, acc, a_scale, b_scale, INPUT_PRECISION: tl.constexpr):
+    """acc + (a @ b) * a_scale[:, None] * b_scale: one e4m3 K block's fp32 product, scaled
+    by its rows' (activation) and its weight block's scales, in finegrained-fp8's order."""
+    return acc + _dot(a, b, None, INPUT_PRECISION) * a_scale[:, None] * b_scale
 
 
 @triton.jit
@@ -181,6 +254,10 @@ def gemm_kernel(
     bias_grad_ptr,  # [M] fp32 (BIAS_GRAD)
     ws_ptr,  # fp32 [tiles, SPLIT_K, 1 or 2, BLOCK_M, BLOCK_N] (SPLIT_K > 1)
     counters_ptr,  # int32 [>= tiles], zero (SPLIT_K > 1)
+    a_scale_ptr,  # fp32 [K/128, M] (FP8)
+    b_scale_ptr,  # fp32 [N/128, K/128] (FP8)
+    b_up_scale_ptr,  # fp32, b_scale_ptr's strides (FP8 and GATED)
+    c_scale_ptr,  # fp32 [N/128, M] (QUANT_OUT)
     M,
     N,
     K,
@@ -196,6 +273,8 @@ def gemm_kernel(
     stride_zk,
     stride_bias,
     stride_bias_up,
+    stride_bsn,
+    stride_bsk,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -203,6 +282,9 @@ def gemm_kernel(
     DACT: tl.constexpr,  # 0, or the ACTIVATION code whose derivative A gets
     BIAS_GRAD: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    FP8: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    ACT_BF16: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -213,7 +295,11 @@ def gemm_kernel(
 ):
     """Portable path: pointer loads through any strides, SPLIT_K programs per output tile
     (adjacent program ids: they finish together)."""
-    dtype = c_ptr.dtype.element_ty
+    c_dtype = c_ptr.dtype.element_ty
+    if QUANT_OUT:
+        dtype = tl.bfloat16 if ACT_BF16 else tl.float16
+    else:
+        dtype = c_dtype
     k_tiles = tl.cdiv(K, BLOCK_K)
     tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
@@ -250,10 +336,21 @@ def gemm_kernel(
             z_ptrs += BLOCK_K * stride_zk
         if BIAS_GRAD and pid_n == 0:
             row_sum += tl.sum(a.to(tl.float32), axis=1)
-        acc1 = _dot(a, b, acc1, INPUT_PRECISION)
+        if FP8:
+            a_scale = tl.load(a_scale_ptr + k * M + offs_m, mask=mask_m, other=0.0)
+            b_block = (pid_n * BLOCK_N // BLOCK_K) * stride_bsn + k * stride_bsk
+            acc1 = _scaled_dot(
+                a, b, acc1, a_scale, tl.load(b_scale_ptr + b_block), INPUT_PRECISION
+            )
+        else:
+            acc1 = _dot(a, b, acc1, INPUT_PRECISION)
         if GATED:
             b_up = tl.load(b_up_ptrs, mask=b_mask, other=0.0)
-            acc2 = _dot(a, b_up, acc2, INPUT_PRECISION)
+            if FP8:
+                b_up_scale = tl.load(b_up_scale_ptr + b_block)
+                acc2 = _scaled_dot(a, b_up, acc2, a_scale, b_up_scale, INPUT_PRECISION)
+            else:
+                acc2 = _dot(a, b_up, acc2, INPUT_PRECISION)
             b_up_ptrs += BLOCK_K * stride_buk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -271,11 +368,14 @@ def gemm_kernel(
             acc1, acc2, offs_m, offs_n, M, N, bias_ptr, bias_up_ptr, stride_bias,
             stride_bias_up, preact_ptr, preact_up_ptr, dtype, HAS_BIAS, GATED, ACTIVATION, STORE_PREACT,
         )  # fmt: skip
+        if QUANT_OUT:  # BLOCK_N = 128: this tile's columns are one scale block
+            out, out_scale = quantize_rows(out.to(tl.float32))
+            tl.store(c_scale_ptr + pid_n * M + offs_m, out_scale, mask=mask_m)
         mask = mask_m[:, None] & mask_n[None, :]
         c_offs = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
         if ACCUMULATE:
             out = out.to(tl.float32) + tl.load(c_ptr + c_offs, mask=mask).to(tl.float32)
-        tl.store(c_ptr + c_offs, out.to(dtype), mask=mask)
+        tl.store(c_ptr + c_offs, out.to(c_dtype), mask=mask)
 
 
 @triton.jit
@@ -298,11 +398,17 @@ def gemm_tma_kernel(
     preact_ptr,
     preact_up_ptr,
     bias_grad_ptr,
+    a_scale_ptr,  # as gemm_kernel's (FP8, QUANT_OUT)
+    b_scale_ptr,
+    b_up_scale_ptr,
+    c_scale_ptr,
     M,
     N,
     K,
     stride_bias,
     stride_bias_up,
+    stride_bsn,
+    stride_bsk,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -310,6 +416,9 @@ def gemm_tma_kernel(
     DACT: tl.constexpr,
     BIAS_GRAD: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    FP8: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    ACT_BF16: tl.constexpr,
     A_T: tl.constexpr,
     B_T: tl.constexpr,
     UP_FIRST: tl.constexpr,  # GATED: b_desc[0] holds B2 (up), b_desc[1] B1 (gate)
@@ -324,7 +433,11 @@ def gemm_tma_kernel(
     tile's operands during this tile's epilogue. GATED loads the gate and up tiles as one
     [2, BLOCK_N, BLOCK_K] box and issues one 2*BLOCK_N-wide dot: two dots per step were
     25% slower (benchmarks/NOTES.md)."""
-    dtype = c_desc.dtype
+    c_dtype = c_desc.dtype
+    if QUANT_OUT:
+        dtype = tl.bfloat16 if ACT_BF16 else tl.float16
+    else:
+        dtype = c_dtype
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
         pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -346,7 +459,22 @@ def gemm_tma_kernel(
                 b = b_desc.load([0, off_n, off_k]).reshape(2 * BLOCK_N, BLOCK_K)
             else:
                 b = _tma_load(b_desc, off_n, off_k, B_T)
-            acc = _dot(a, b.T, acc, INPUT_PRECISION)
+            if FP8:
+                rows = off_m + tl.arange(0, BLOCK_M)
+                a_scale = tl.load(a_scale_ptr + k * M + rows, mask=rows < M, other=0.0)
+                b_block = (off_n // BLOCK_K) * stride_bsn + k * stride_bsk
+                b_scale = tl.load(b_scale_ptr + b_block)
+                if GATED:  # the gate's and the up's block scales, in b's column order
+                    up_scale = tl.load(b_up_scale_ptr + b_block)
+                    first = tl.arange(0, 2 * BLOCK_N) < BLOCK_N
+                    if UP_FIRST:
+                        b_scale = tl.where(first, up_scale, b_scale)
+                    else:
+                        b_scale = tl.where(first, b_scale, up_scale)
+                    b_scale = b_scale[None, :]
+                acc = _scaled_dot(a, b.T, acc, a_scale, b_scale, INPUT_PRECISION)
+            else:
+                acc = _dot(a, b.T, acc, INPUT_PRECISION)
 
         if GATED:
             first, second = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
@@ -364,9 +492,12 @@ def gemm_tma_kernel(
             acc1, acc2, offs_m, offs_n, M, N, bias_ptr, bias_up_ptr, stride_bias,
             stride_bias_up, preact_ptr, preact_up_ptr, dtype, HAS_BIAS, GATED, ACTIVATION, STORE_PREACT,
         )  # fmt: skip
+        if QUANT_OUT:  # BLOCK_N = 128: this tile's columns are one scale block
+            out, out_scale = quantize_rows(out.to(tl.float32))
+            tl.store(c_scale_ptr + pid_n * M + offs_m, out_scale, mask=offs_m < M)
         if ACCUMULATE:
             out = out.to(tl.float32) + c_desc.load([off_m, off_n]).to(tl.float32)
-        c_desc.store([off_m, off_n], out.to(dtype))
+        c_desc.store([off_m, off_n], out.to(c_dtype))
 
 
 # M is specialised as in gemm_kernel; the sizes H, I and N too.
@@ -382,6 +513,9 @@ def geglu_mlp_kernel(
     out_ptr,  # [M, N]
     sums_ptr,  # fp32 [M, N], zero; left zero
     arrivals_ptr,  # int32 [1], zero; left zero
+    gate_scale_ptr,  # fp32 [I/128, H/128] (FP8)
+    up_scale_ptr,  # fp32, gate_scale_ptr's strides (FP8)
+    down_scale_ptr,  # fp32 [N/128, I/128] (FP8)
     M,
     H,
     I,
@@ -399,9 +533,14 @@ def geglu_mlp_kernel(
     stride_bias_gate,
     stride_bias_up,
     stride_bias_down,
+    stride_gsn,
+    stride_gsk,
+    stride_dsn,
+    stride_dsk,
     HAS_BIAS: tl.constexpr,
     HAS_DOWN_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    FP8: tl.constexpr,  # e4m3 weights with 128 x 128 block scales; BLOCK_I = BLOCK_K = BLOCK_N = 128
     EVEN_K: tl.constexpr,  # H % BLOCK_K == 0
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # >= M: every token in one row tile
@@ -416,7 +555,9 @@ def geglu_mlp_kernel(
     matching columns of W_down and adds the [M, N] partial product into fp32 ``sums``
     (atomics). The last program to arrive rounds the sums into ``out`` (with b_down) and
     zeroes them again for the next launch. Every weight byte is read once, by one launch.
-    The order of the fp32 additions varies between launches (not bitwise reproducible)."""
+    The order of the fp32 additions varies between launches (not bitwise reproducible).
+    FP8: x is quantized per row and 128 columns as it is read, and h as the program forms
+    it (its BLOCK_I = 128 columns are one scale block): transformers' FP8Linear inputs."""
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
     offs_i = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -431,12 +572,21 @@ def geglu_mlp_kernel(
     for k in range(tl.cdiv(H, BLOCK_K)):
         x_mask, w_mask = _k_step_masks(mask_m, mask_i, offs_k, H - k * BLOCK_K, EVEN_K)
         a = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        acc_gate = _dot(
-            a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_gate, INPUT_PRECISION
-        )
-        acc_up = _dot(
-            a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_up, INPUT_PRECISION
-        )
+        w_gate = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        w_up = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        if FP8:
+            a, a_scale = quantize_rows(a.to(tl.float32))
+            block = tl.program_id(0) * stride_gsn + k * stride_gsk
+            acc_gate = _scaled_dot(
+                a, w_gate, acc_gate, a_scale, tl.load(gate_scale_ptr + block),
+                INPUT_PRECISION,
+            )  # fmt: skip
+            acc_up = _scaled_dot(
+                a, w_up, acc_up, a_scale, tl.load(up_scale_ptr + block), INPUT_PRECISION
+            )
+        else:
+            acc_gate = _dot(a, w_gate, acc_gate, INPUT_PRECISION)
+            acc_up = _dot(a, w_up, acc_up, INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_gk
         u_ptrs += BLOCK_K * stride_uk
@@ -452,9 +602,24 @@ def geglu_mlp_kernel(
     for n in range(tl.cdiv(N, BLOCK_N)):
         mask_n = offs_n < N - n * BLOCK_N
         w_down = tl.load(d_ptrs, mask=mask_i[:, None] & mask_n[None, :], other=0.0)
-        part = _dot(
-            h, w_down, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INPUT_PRECISION
-        )
+        if FP8:
+            # h quantized in each step: quantized once before the loop, rows past the
+            # first came out wrong from the second column tile on (Triton 3.6, H200).
+            h_q, h_scale = quantize_rows(h.to(tl.float32))
+            down_scale = tl.load(
+                down_scale_ptr + n * stride_dsn + tl.program_id(0) * stride_dsk
+            )
+            part = _scaled_dot(
+                h_q, w_down, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_scale,
+                down_scale, INPUT_PRECISION,
+            )  # fmt: skip
+        else:
+            part = _dot(
+                h,
+                w_down,
+                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                INPUT_PRECISION,
+            )
         tl.atomic_add(
             sums_ptrs, part, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed"
         )

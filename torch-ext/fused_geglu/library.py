@@ -22,6 +22,7 @@ from ._ops import add_op_namespace_prefix
 from .checks import PLAIN_TENSORS
 from .elementwise import as_rows, geglu_backward, geglu_forward
 from .gemm import (
+    FP8_BLOCK,
     GELU_TANH,
     NO_ACT,
     geglu_mlp_small,
@@ -29,8 +30,12 @@ from .gemm import (
     gemm,
     gemm_act,
     gemm_dact,
+    gemm_fp8,
     gemm_gated,
+    gemm_gated_fp8,
+    quantize_fp8,
 )
+from .launch import cdiv
 
 
 def _rows_operand(t: torch.Tensor) -> torch.Tensor:
@@ -361,6 +366,49 @@ geglu_mlp = KernelOp(
     " Tensor? b_down, str approximate) -> Tensor",
     _geglu_mlp,
     lambda x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate: _empty(
+        x, *x.shape[:-1], w_down.shape[0]
+    ),
+)
+
+
+# --- FP8 (inference) ----------------------------------------------------------------------
+
+
+def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_gate,
+                   b_up, b_down, approximate, one_launch):  # fmt: skip
+    """The FP8 MLP (fp32 block scales; gate_scale and up_scale of one stride): in one
+    launch (``one_launch``: at most MLP_MAX_TOKENS rows), or x quantized, the dual GEMM
+    handing h over quantized, and the down GEMM."""
+    out = _empty(x, *x.shape[:-1], w_down.shape[0])
+    x2, act = _rows_operand(x), gelu_code(approximate)
+    if one_launch:
+        geglu_mlp_small(
+            x2, w_gate, w_up, w_down, out, act, bias_gate=b_gate, bias_up=b_up,
+            bias_down=b_down, scales=(gate_scale, up_scale, down_scale),
+        )  # fmt: skip
+        return out
+    m, hidden, i = math.prod(x.shape[:-1]), x.shape[-1], w_gate.shape[0]
+    fp8 = torch.float8_e4m3fn
+    x_q = _empty(x, m, hidden, dtype=fp8)
+    x_scale = _empty(x, cdiv(hidden, FP8_BLOCK), m, dtype=torch.float32)
+    quantize_fp8(x2, x_q, x_scale)
+    h = _empty(x, m, i, dtype=fp8)
+    h_scale = _empty(x, cdiv(i, FP8_BLOCK), m, dtype=torch.float32)
+    gemm_gated_fp8(
+        x_q, x_scale, w_gate, gate_scale, w_up, up_scale, h, h_scale, act, x.dtype,
+        bias_gate=b_gate, bias_up=b_up,
+    )  # fmt: skip
+    gemm_fp8(h, h_scale, w_down, down_scale, out, bias=b_down)
+    return out
+
+
+geglu_mlp_fp8 = KernelOp(
+    "geglu_mlp_fp8",
+    "(Tensor x, Tensor w_gate, Tensor gate_scale, Tensor w_up, Tensor up_scale,"
+    " Tensor w_down, Tensor down_scale, Tensor? b_gate, Tensor? b_up, Tensor? b_down,"
+    " str approximate, bool one_launch) -> Tensor",
+    _geglu_mlp_fp8,
+    lambda x, w_gate, gate_scale, w_up, up_scale, w_down, *rest: _empty(
         x, *x.shape[:-1], w_down.shape[0]
     ),
 )

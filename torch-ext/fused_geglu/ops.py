@@ -14,6 +14,7 @@ from .checks import (
     check_approximate,
     check_down_projection,
     check_geglu_linear,
+    check_geglu_mlp_fp8,
     check_gelu_and_mul,
     check_linear_shapes,
     check_tensors,
@@ -118,3 +119,39 @@ def geglu_mlp(
     )  # fmt: skip
     check_down_projection("geglu_mlp", w_gate, w_down, b_down)
     return route.geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate)
+
+
+def geglu_mlp_fp8(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    gate_scale: torch.Tensor,
+    w_up: torch.Tensor,
+    up_scale: torch.Tensor,
+    w_down: torch.Tensor,
+    down_scale: torch.Tensor,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    approximate: str = "tanh",
+) -> torch.Tensor:
+    """``down(gelu(gate(x)) * up(x))`` with transformers' ``FineGrainedFP8Config``
+    projections (``FP8Linear``, block 128, dynamic activations), in inference.
+
+    Weights are ``torch.float8_e4m3fn`` ([I, H], [I, H], [N, I]) with block scales
+    ``weight_scale_inv`` of [ceil(out/128), ceil(in/128)] in float32 or float8_e8m0fnu:
+    ``weight * scale`` per 128 x 128 block. x ([..., H], bfloat16 or float16) is quantized
+    per token and 128 columns (scale = amax / 448) and so is h = round(gelu(gate)) * up;
+    each projection's output is in x's dtype, its bias added in the epilogue. Up to 16
+    tokens (eager) the whole MLP is one kernel; beyond, three (x's quantization, the dual
+    GEMM quantizing h in its epilogue, the down GEMM). Not differentiable: an x that
+    requires grad raises.
+    """
+    check_approximate("geglu_mlp_fp8", approximate)
+    weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+    scales = {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale}
+    biases = {"b_gate": b_gate, "b_up": b_up, "b_down": b_down}
+    check_geglu_mlp_fp8("geglu_mlp_fp8", x, weights, scales, biases)
+    return route.geglu_mlp_fp8(
+        x, (w_gate, w_up, w_down), tuple(route.fp8_scale(s) for s in scales.values()),
+        (b_gate, b_up, b_down), approximate,
+    )  # fmt: skip

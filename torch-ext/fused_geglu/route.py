@@ -16,6 +16,11 @@ Measured on the H200 (benchmarks/NOTES.md):
   host time is not spent per call, so the two kernels run there; and with
   ``torch.use_deterministic_algorithms(True)``, since the one launch's fp32 sums are
   atomic.
+- FP8 (transformers' ``FP8Linear`` projections: e4m3 weights, 128 x 128 block scales,
+  dynamic activations; inference): eager calls of at most MLP_MAX_TOKENS tokens, in CUDA
+  graph captures too, the whole MLP in one launch; else x quantized, the dual GEMM
+  handing h to the down GEMM quantized (three kernels). In training an FP8 projection
+  runs its own forward.
 
 A layer runs our kernels only where they reproduce the module's forward. Anywhere else it
 runs the module's own forward and warns once, naming the reason.
@@ -34,7 +39,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import autograd, library
-from .checks import PLAIN_TENSORS, SUPPORTED_DTYPES, is_dtensor, kernels_run_on
+from .checks import (
+    FP8_ACT_DTYPES,
+    FP8_SCALE_DTYPES,
+    FP8_WEIGHT_DTYPE,
+    PLAIN_TENSORS,
+    SUPPORTED_DTYPES,
+    fp8_scale_shape,
+    is_dtensor,
+    kernels_run_on,
+)
 from .gemm import (
     MLP_MAX_TOKENS,
     NO_ACT,
@@ -87,6 +101,38 @@ def _one_launch_fits(x: torch.Tensor) -> bool:
         and not torch.are_deterministic_algorithms_enabled()
         and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
     )
+
+
+def fp8_mlp_in_one_launch(x: torch.Tensor) -> bool:
+    """Whether one launch computes the FP8 MLP of ``x``: an eager call (a branch on the
+    token count would recompile under torch.compile) of few tokens, atomics allowed; in
+    a CUDA graph capture too (one launch streams the weights once; the three kernels
+    read them as the quantize and GEMM launches)."""
+    hidden = x.shape[-1]
+    m = x.numel() // hidden if hidden else 0
+    return (
+        not torch.compiler.is_compiling()
+        and 0 < m <= MLP_MAX_TOKENS
+        and not torch.are_deterministic_algorithms_enabled()
+    )
+
+
+def fp8_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales as the kernels read them: fp32 (e8m0 decoded: powers of two, exact)."""
+    return scale if scale.dtype == torch.float32 else scale.float()
+
+
+def geglu_mlp_fp8(x, weights: tuple, scales: tuple, biases: tuple, approximate: str):
+    """The FP8 MLP by the policy's route (arguments checked; ``scales`` fp32). The gate's and
+    the up's scales are read with one stride: made contiguous where theirs differ."""
+    s_gate, s_up, s_down = scales
+    if s_gate.stride() != s_up.stride():
+        s_gate, s_up = s_gate.contiguous(), s_up.contiguous()
+    (w_gate, w_up, w_down), (b_gate, b_up, b_down) = weights, biases
+    return library.geglu_mlp_fp8(
+        x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate, b_up, b_down,
+        approximate, fp8_mlp_in_one_launch(x),
+    )  # fmt: skip
 
 
 def down_projection(h, weight, bias, fused: bool) -> torch.Tensor:
@@ -262,6 +308,10 @@ class ModuleRoute:
     # launch prepared for them (eager routes: built outside torch.compile)
     mlp: tuple | None = None
     mlp_launch: MLPLaunch | None = None
+    # FP8Linear projections: ((w_gate, w_up, w_down), fp32 scales, biases), and the one
+    # launch prepared for them (eager routes)
+    fp8: tuple | None = None
+    fp8_launches: dict = field(default_factory=dict)  # x's dtype -> MLPLaunch
     warned: set = field(default_factory=set)  # the reasons already warned of (eager)
 
 
@@ -298,7 +348,7 @@ def _moved(t, data: tuple | None) -> bool:
 
 def _watched(module: nn.Module, family: Family) -> tuple:
     """Everything a route depends on: the module's class and, per submodule, the module,
-    its weight and bias and their data pointers, shapes and strides (``module.to()`` or
+    its weight, bias and FP8 block scales and their data pointers, shapes and strides (``module.to()`` or
     pruning swap a parameter's data in place: cached views, and the prepared launch's
     sizes and addresses, would be stale), whether it has hooks, and the id of an
     instance-level (patched) forward (not the function: it may hold the parent module).
@@ -308,10 +358,11 @@ def _watched(module: nn.Module, family: Family) -> tuple:
     for name in family.children:
         m = mods.get(name)
         if m is None:
-            children.append((name, None, None, None, None, None, False, id(None)))
+            children.append((name, None) + (None,) * 6 + (False, id(None)))
             continue
         params = m._parameters
         weight, bias = params.get("weight"), params.get("bias")
+        scale = params.get("weight_scale_inv")  # FP8Linear's block scales
         hooked = bool(m._forward_hooks or m._forward_pre_hooks)
         children.append(
             (
@@ -321,6 +372,8 @@ def _watched(module: nn.Module, family: Family) -> tuple:
                 _data_of(weight),
                 bias,
                 _data_of(bias),
+                scale,
+                _data_of(scale),
                 hooked,
                 id(m.__dict__.get("forward")),
             )
@@ -335,7 +388,8 @@ def _unchanged(module: nn.Module, watched: tuple) -> bool:
     if type(module) is not cls:
         return False
     mods = module._modules
-    for name, m, weight, weight_data, bias, bias_data, hooked, forward in children:
+    for (name, m, weight, weight_data, bias, bias_data, scale, scale_data, hooked,
+         forward) in children:  # fmt: skip
         if mods.get(name) is not m:
             return False
         if m is None:
@@ -344,8 +398,10 @@ def _unchanged(module: nn.Module, watched: tuple) -> bool:
         if (
             params.get("weight") is not weight
             or params.get("bias") is not bias
+            or params.get("weight_scale_inv") is not scale
             or _moved(weight, weight_data)
             or _moved(bias, bias_data)
+            or _moved(scale, scale_data)
             or bool(m._forward_hooks or m._forward_pre_hooks) is not hooked
             or id(m.__dict__.get("forward")) != forward
         ):
@@ -400,6 +456,78 @@ def _linear_operands(m: nn.Module) -> tuple | None:
     """``(weight, bias)`` such that, in inference, ``m(x)`` is ``F.linear(x, weight, bias)``:
     a plain ``nn.Linear``'s own parameters, or a tensor-parallel column-wise shard's."""
     return _plain_linear_operands(m) or _tp_colwise_shards(m)
+
+
+def _fp8_linear_operands(m: nn.Module) -> tuple | None:
+    """``(weight, block scales, bias)`` of transformers' ``FP8Linear`` (the class itself)
+    in the form the FP8 kernels reproduce: a 2-D e4m3 weight, 128 x 128 block scales
+    (fp32 or e8m0), dynamic activation scales, no hooks or instance-level forward; else
+    None (per-tensor or static scales, other blocks: its own forward)."""
+    cls = type(m)
+    if (
+        cls.__name__ != "FP8Linear"
+        or not cls.__module__.startswith("transformers.")
+        or m._forward_hooks
+        or m._forward_pre_hooks
+        or "forward" in m.__dict__
+        or getattr(m, "activation_scheme", None) != "dynamic"
+        or tuple(getattr(m, "block_size", None) or ()) != (128, 128)
+    ):
+        return None
+    params = m._parameters
+    weight, scale, bias = (
+        params.get(n) for n in ("weight", "weight_scale_inv", "bias")
+    )
+    if (
+        type(weight) not in PLAIN_TENSORS
+        or weight.dtype != FP8_WEIGHT_DTYPE
+        or weight.dim() != 2
+        or type(scale) not in PLAIN_TENSORS
+        or scale.dtype not in FP8_SCALE_DTYPES
+        or tuple(scale.shape) != fp8_scale_shape(weight)
+        or scale.device != weight.device
+        or not (bias is None or (type(bias) in PLAIN_TENSORS and bias.device == weight.device))
+    ):  # fmt: skip
+        return None
+    return weight, scale, bias
+
+
+def _fp8_operands(projections: tuple, down: nn.Module | None, family: Family):
+    """The FP8 route's ((w_gate, w_up, w_down), fp32 scales, biases) where every projection
+    is an FP8Linear the kernels take (a fused one split at a 128-row block boundary),
+    else None."""
+    if down is None:
+        return None
+    operands = tuple(_fp8_linear_operands(p) for p in (*projections, down))
+    if not all(operands):
+        return None
+    if len(projections) == 2:
+        (w_gate, s_gate, b_gate), (w_up, s_up, b_up), (w_down, s_down, b_down) = (
+            operands
+        )
+    else:
+        (weight, scale, bias), (w_down, s_down, b_down) = operands
+        if weight.shape[0] % 256:  # the halves must start on a scale block
+            return None
+        g = family.gate_half
+        w, s = weight.chunk(2), scale.chunk(2)
+        b = (None, None) if bias is None else bias.chunk(2)
+        w_gate, w_up, s_gate, s_up, b_gate, b_up = (
+            w[g],
+            w[1 - g],
+            s[g],
+            s[1 - g],
+            b[g],
+            b[1 - g],
+        )
+    if (
+        w_gate.shape != w_up.shape
+        or w_down.shape[1] != w_gate.shape[0]
+        or (b_gate is None) != (b_up is None)
+    ):
+        return None
+    scales = tuple(fp8_scale(t).detach() for t in (s_gate, s_up, s_down))
+    return (w_gate, w_up, w_down), scales, (b_gate, b_up, b_down)
 
 
 def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute:
@@ -458,9 +586,11 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
             )
         ):  # fmt: skip
             mlp = operands
+    fp8 = None if fusable is not None else _fp8_operands(projections, down, family)
     return ModuleRoute(
-        watched, None, approximate, projections, fusable, down, down_operands, mlp
-    )
+        watched, None, approximate, projections, fusable, down, down_operands, mlp,
+        fp8=fp8,
+    )  # fmt: skip
 
 
 def module_route(module: nn.Module, family: Family) -> ModuleRoute:
@@ -522,7 +652,7 @@ def mlp_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None = 
     ``mlp_launch`` outside torch.compile."""
     launch = route.mlp_launch
     if launch is None:
-        return None
+        return None if route.fp8 is None else _fp8_output(route, x, dropout)
     if (
         type(x) is not torch.Tensor
         or x.dtype is not launch.dtype
@@ -539,6 +669,46 @@ def mlp_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None = 
     if x.is_contiguous() and not library.profiler_enabled():
         return launch(x)
     return library.geglu_mlp.eager(x, *launch.operands, route.approximate)
+
+
+def _fp8_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None):
+    """``mlp_output`` for FP8Linear projections: the FP8 kernels, where they reproduce the
+    module's forward: no gradient for x (FP8Linear's backward serves training), x of the
+    biases' 16-bit dtype, size and device, no autocast or torch.func transform, an
+    identity dropout."""
+    (w_gate, w_up, w_down), scales, biases = route.fp8
+    compiling = torch.compiler.is_compiling()
+    if (
+        not (compiling or type(x) is torch.Tensor)
+        or x.dtype not in FP8_ACT_DTYPES
+        or x.dim() == 0
+        or x.shape[-1] != w_gate.shape[1]
+        or x.device != w_gate.device
+        or not kernels_run_on(x.device)
+        or (torch.is_grad_enabled() and x.requires_grad)
+        or any(b is not None and b.dtype is not x.dtype for b in biases)
+        or torch.is_autocast_enabled(x.device.type)
+        or not (compiling or not autograd.transforms_active())
+        or not (dropout is None or _is_identity(dropout))
+    ):
+        return None
+    if (
+        not compiling
+        and x.is_contiguous()
+        and _one_launch_fits(x)  # eager, outside a capture: the prepared launch
+        and w_gate.numel()
+        and w_down.shape[0]
+        and scales[0].stride() == scales[1].stride()
+        and not library.profiler_enabled()
+    ):
+        launch = route.fp8_launches.get(x.dtype)
+        if launch is None:
+            launch = route.fp8_launches[x.dtype] = MLPLaunch(
+                w_gate, w_up, w_down, *biases, gelu_code(route.approximate), scales,
+                x.dtype,
+            )  # fmt: skip
+        return launch(x)
+    return geglu_mlp_fp8(x, (w_gate, w_up, w_down), scales, biases, route.approximate)
 
 
 def _is_identity(dropout: nn.Module) -> bool:

@@ -1,0 +1,336 @@
+"""The FP8 GeGLU MLP (transformers' FineGrainedFP8: e4m3 weights in 128 x 128 blocks,
+activations quantized per token and 128 columns) against a float64 reference of the same
+quantized model. The Triton interpreter runs e4m3 products exactly, so the kernels run
+here as on the GPU; ``quantize_rows``' conversion to e4m3 is checked value by value."""
+
+import pytest
+import torch
+from conftest import HAS_GPU
+from launches import spy_launches
+from reference import (
+    FP8,
+    accumulation_floor,
+    assert_close_to_ref,
+    eager_geglu,
+    fp8_dequantize_weight,
+    fp8_quantize_rows,
+    fp8_quantize_weight,
+)
+
+DTYPES = [torch.bfloat16, torch.float16]
+# The error of an e4m3 product over one 128-wide K block relative to the sum of its terms'
+# magnitudes: Hopper's e4m3 MMA keeps about 13 bits of its running sum (on the H200 at
+# most 1.4e-4 measured, below 2^-12); the interpreter's products are fp32.
+E4M3_MMA_ACCURACY = 2.0**-12 if HAS_GPU else 2.0**-20
+
+
+def fp8_params(h, i, n, device, bias, dtype=torch.bfloat16, power_of_two=False):
+    """((w_gate, w_up, w_down) e4m3, their fp32 scales, biases or Nones) of random weights
+    whose blocks span magnitudes (the scales differ block to block)."""
+    weights, scales = [], []
+    for rows, cols in ((i, h), (i, h), (n, i)):
+        w = torch.randn(rows, cols) / cols**0.5
+        w *= torch.exp2(torch.randint(-3, 3, (rows, 1)).float())
+        q, s = fp8_quantize_weight(w, power_of_two)
+        weights.append(q.to(device))
+        scales.append(s.to(device))
+    biases = [None] * 3
+    if bias:
+        biases = [torch.randn(m, dtype=dtype, device=device) for m in (i, i, n)]
+    return tuple(weights), tuple(scales), tuple(biases)
+
+
+def e4m3_step(v: torch.Tensor) -> torch.Tensor:
+    """The distance from |v| (in units of its scale) to the next e4m3 value: 2^(e - 3),
+    e = max(floor(log2 |v|), -6)."""
+    e = torch.floor(torch.log2(v.abs().clamp_min(2.0**-6)))
+    return torch.exp2(e - 3)
+
+
+def check_mlp(out, x, weights, scales, biases, approximate, fused_geglu, what=""):
+    """``out`` against float64, stage by stage on the CPU. x quantized as ours does (equal to
+    transformers' scheme: test_quantize_rows_is_transformers_scheme); then h =
+    round(act(gate)) * up as our dual GEMM hands it over (e4m3 and scales) within one e4m3
+    step of float64's h (the quantization of a value on a rounding boundary may go either
+    way: the products before it round differently in every implementation, as
+    transformers' and the float64 model's do); then ``out`` within the rule of float64's
+    down projection of that h, against the same product in fp32 rounded to x's dtype.
+    An FP8 path's largest error against the float64 model is set by which h values land
+    on the other side of a boundary (one step moves an output by up to 1/14 of h's largest
+    value): the model-level comparison with transformers' path is the GPU benchmark's."""
+    f = fused_geglu
+    m, hidden = x.shape
+    (wg, wu, wd), (sg, su, sd), (bg, bu, bd) = weights, scales, biases
+    inter = wg.shape[0]
+    x_q = torch.empty(m, hidden, dtype=FP8, device=x.device)
+    x_s = torch.empty(-(-hidden // 128), m, device=x.device)
+    f.gemm.quantize_fp8(x, x_q, x_s)
+    h_q = torch.empty(m, inter, dtype=FP8, device=x.device)
+    h_s = torch.empty(-(-inter // 128), m, device=x.device)
+    act = f.gemm.gelu_code(approximate)
+    f.gemm.gemm_gated_fp8(
+        x_q, x_s, wg, sg, wu, su, h_q, h_s, act, x.dtype, bias_gate=bg, bias_up=bu
+    )
+    cpu = lambda t: None if t is None else t.cpu()
+    xd = x_q.cpu().double() * x_s.cpu().double().T.repeat_interleave(128, 1)[:, :hidden]
+
+    def product(q, s, b):
+        w = fp8_dequantize_weight(q.cpu(), s.cpu())
+        out = xd @ w.T
+        return out if b is None else out + b.cpu().double(), xd.abs() @ w.abs().T
+
+    # h's range from gate and up each off by one unit of x's dtype (truncation in the
+    # interpreter, a rounding on the GPU) and by the products' accumulation, and GeLU's
+    # and the product's own roundings.
+    (gate, gate_terms), (up, up_terms) = product(wg, sg, bg), product(wu, su, bu)
+    e = torch.finfo(x.dtype).eps
+    gate_off = e * gate.abs() + E4M3_MMA_ACCURACY * gate_terms
+    up_off = e * up.abs() + E4M3_MMA_ACCURACY * up_terms
+    corners = torch.stack(
+        [
+            eager_geglu(gate + a * gate_off, up + b * up_off, approximate)
+            for a in (-1, 1)
+            for b in (-1, 1)
+        ]
+    )
+    lo, hi = corners.amin(0), corners.amax(0)
+    lo, hi = lo - 2 * e * lo.abs(), hi + 2 * e * hi.abs()
+    h_s64 = h_s.cpu().double().T.repeat_interleave(128, 1)[:, :inter]
+    h = h_q.cpu().double() * h_s64
+    step = e4m3_step(torch.maximum(lo.abs(), hi.abs()) / h_s64.clamp_min(1e-30)) * h_s64
+    bad = ((h < lo - step) | (h > hi + step)).nonzero()
+    assert not len(bad), (
+        f"{what}: {len(bad)} elements of h more than one e4m3 step off, e.g. "
+        f"{h[tuple(bad[0])]} against float64's {lo[tuple(bad[0])]} to {hi[tuple(bad[0])]}"
+    )
+    wd64 = fp8_dequantize_weight(wd.cpu(), sd.cpu())
+    ref = h @ wd64.T + (0 if bd is None else cpu(bd).double())
+    eager = (h.float() @ wd64.float().T + (0 if bd is None else cpu(bd).float())).to(
+        x.dtype
+    )
+    floor = accumulation_floor(ref, inter)
+    floor += E4M3_MMA_ACCURACY * (h.abs() @ wd64.abs().T).max().item()
+    assert_close_to_ref(out.cpu(), ref, eager, floor=floor, what=what)
+
+
+def test_e4m3_rounding_of_every_value(fused_geglu, device):
+    """quantize_rows' conversion rounds to nearest even and saturates, as the GPU's
+    cvt.rn.satfinite (and torch's cast below 464): every 16-bit value up to 448, every
+    midpoint between e4m3 neighbours and one fp32 unit either side of it. A row whose
+    largest magnitude is 448 has scale 1, so q = e4m3(x)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = codes[codes.isfinite() & (codes >= 0)].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat(
+        [
+            torch.arange(-(1 << 15), 1 << 15, dtype=torch.int16)
+            .view(torch.bfloat16)
+            .float(),
+            mids,
+            mids.nextafter(torch.tensor(0.0)),
+            mids.nextafter(torch.tensor(1e9)),
+            -mids,
+        ]
+    )
+    values = values[values.isfinite() & (values.abs() <= 448)]
+    width = 127  # each row: 127 values, then 448 (its scale 1)
+    values = torch.cat([values, values.new_zeros(-len(values) % width)])
+    rows = torch.cat(
+        [values.view(-1, width), values.new_full((len(values) // width, 1), 448.0)], 1
+    )
+    x = rows.to(device)
+    q = torch.empty(x.shape, dtype=FP8, device=device)
+    s = torch.empty(1, x.shape[0], device=device)
+    fused_geglu.gemm.quantize_fp8(x, q, s)
+    assert torch.equal(s.cpu(), torch.ones_like(s.cpu()))
+    expected = rows.to(FP8).float()
+    got = q.float().cpu()
+    bad = (got != expected).nonzero()
+    assert not len(bad), (
+        f"{len(bad)} values, e.g. {rows[tuple(bad[0])]} -> {got[tuple(bad[0])]}, expected {expected[tuple(bad[0])]}"
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_rows_is_transformers_scheme(fused_geglu, device, dtype):
+    """Per row and 128 columns: s = amax / 448, q = e4m3(x / max(s, 1e-12)); a ragged last
+    block, zero rows (s = 0, q = 0) and rows of very different magnitudes. The
+    interpreter divides exactly, as the reference: equal. The GPU divides approximately
+    (Triton's fp32 division): within one e4m3 step of it."""
+    x = torch.randn(37, 300) * torch.exp2(torch.randint(-8, 8, (37, 1)).float())
+    x[3] = 0
+    x = x.to(dtype).to(device)
+    q = torch.full(x.shape, float("nan"), device=device).to(FP8)
+    s = torch.full((3, 37), float("nan"), device=device)
+    fused_geglu.gemm.quantize_fp8(x, q, s)
+    ref_q, ref_s = fp8_quantize_rows(x.cpu())
+    if HAS_GPU:
+        torch.testing.assert_close(s.cpu(), ref_s.T, rtol=2e-7, atol=0)
+        ours = q.float().cpu() * s.cpu().T.repeat_interleave(128, 1)[:, :300]
+        refs = ref_q.float() * ref_s.repeat_interleave(128, 1)[:, :300]
+        assert ((ours - refs).abs() <= refs.abs() / 8 + 1e-30).all()
+    else:
+        assert torch.equal(s.cpu(), ref_s.T)
+        assert torch.equal(q.float().cpu(), ref_q.float())
+
+
+@pytest.mark.parametrize(
+    ("tokens", "shape"), [(1, (256, 384, 256)), (5, (200, 320, 130)), (16, (256, 384, 256)),
+                          (40, (256, 384, 256)), (130, (200, 320, 130)), (130, (256, 384, 256))],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    ("dtype", "bias", "approximate"),
+    [(torch.bfloat16, True, "tanh"), (torch.float16, False, "none")],
+    ids=["bf16-bias-tanh", "fp16-exact"],
+)
+def test_geglu_mlp_fp8(fused_geglu, device, monkeypatch, tokens, shape, dtype, bias, approximate):  # fmt: skip
+    """geglu_mlp_fp8 within the rule of float64, in one launch up to 16 tokens and as three
+    kernels beyond (and at any size with deterministic algorithms: no atomics); ragged
+    sizes (H 200, I 320, N 130: partial scale blocks)."""
+    h, i, n = shape
+    weights, scales, biases = fp8_params(h, i, n, device, bias, dtype)
+    x = torch.randn(tokens, h, dtype=dtype, device=device)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    out = fused_geglu.geglu_mlp_fp8(
+        x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2], *biases,
+        approximate=approximate,
+    )  # fmt: skip
+    tma = tokens > 64 and h % 16 == 0 and i % 16 == 0  # TMA: rows of 16-byte multiples
+    three = [
+        "quantize_fp8_kernel",
+        "gemm_tma_kernel" if tma else "gemm_kernel",
+    ]
+    three += [three[1]]
+    assert launched == (["geglu_mlp_kernel"] if tokens <= 16 else three)
+    check_mlp(out, x, weights, scales, biases, approximate, fused_geglu)  # fmt: skip
+    if tokens <= 16:
+        launched.clear()
+        with torch.no_grad():
+            torch.use_deterministic_algorithms(True)
+            try:
+                three_kernels = fused_geglu.geglu_mlp_fp8(
+                    x, weights[0], scales[0], weights[1], scales[1], weights[2],
+                    scales[2], *biases, approximate=approximate,
+                )  # fmt: skip
+            finally:
+                torch.use_deterministic_algorithms(False)
+        assert launched == ["quantize_fp8_kernel", "gemm_kernel", "gemm_kernel"]
+        check_mlp(three_kernels, x, weights, scales, biases,
+                  approximate, fused_geglu, "three kernels")  # fmt: skip
+
+
+def test_ue8m0_scales(fused_geglu, device):
+    """Scales stored as e8m0 (scale_fmt="ue8m0": powers of two) give the fp32 scales'
+    result exactly."""
+    weights, scales, _ = fp8_params(256, 256, 128, device, False, power_of_two=True)
+    x = torch.randn(3, 256, dtype=torch.bfloat16, device=device)
+    e8m0 = [s.to(torch.float8_e8m0fnu) for s in scales]
+    assert all(torch.equal(a.float(), b) for a, b in zip(e8m0, scales))
+    args = lambda s: (x, weights[0], s[0], weights[1], s[1], weights[2], s[2])
+    assert torch.equal(
+        fused_geglu.geglu_mlp_fp8(*args(e8m0)), fused_geglu.geglu_mlp_fp8(*args(scales))
+    )
+
+
+def test_geglu_mlp_fp8_errors(fused_geglu, device):
+    """Clear errors naming what is wrong: training, weight and scale dtypes and shapes."""
+    weights, scales, _ = fp8_params(128, 128, 128, device, False)
+    x = torch.randn(2, 128, dtype=torch.bfloat16, device=device)
+    call = fused_geglu.geglu_mlp_fp8
+
+    def args(**over):
+        a = {
+            "x": x,
+            "w_gate": weights[0],
+            "gate_scale": scales[0],
+            "w_up": weights[1],
+            "up_scale": scales[1],
+            "w_down": weights[2],
+            "down_scale": scales[2],
+        }
+        return a | over  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="inference only"):
+        call(**args(x=x.clone().requires_grad_()))
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        call(**args(x=x.float()))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        call(**args(w_up=weights[1].to(torch.bfloat16)))
+    with pytest.raises(ValueError, match=r"block scales of shape \(1, 1\)"):
+        call(**args(up_scale=scales[1].repeat(2, 1)))
+    with pytest.raises(ValueError, match=r"\[I, H\]"):
+        call(**args(x=torch.randn(2, 64, dtype=torch.bfloat16, device=device)))
+
+
+def _fp8_gemma_mlp(device, hidden=256, inter=384, block=(128, 128), scheme="dynamic"):
+    """A GemmaMLP whose projections are transformers' FP8Linear, as FineGrainedFP8Config
+    loads them, with our quantized random weights."""
+    from transformers import GemmaConfig
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    config = GemmaConfig(
+        hidden_size=hidden, intermediate_size=inter, hidden_act="gelu_pytorch_tanh"
+    )
+    mlp = GemmaMLP(config)
+    weights, scales, _ = fp8_params(hidden, inter, hidden, device, False)
+    for name, w, s in zip(("gate_proj", "up_proj", "down_proj"), weights, scales):
+        proj = FP8Linear(
+            w.shape[1], w.shape[0], block_size=block, activation_scheme=scheme
+        )
+        proj.weight = torch.nn.Parameter(w, requires_grad=False)
+        if block == (128, 128):
+            proj.weight_scale_inv = torch.nn.Parameter(s)
+        setattr(mlp, name, proj.to(device))
+    return mlp, weights, scales
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 70])
+def test_layer_runs_fp8_projections(fused_geglu, device, monkeypatch, tokens):
+    """GeGLUMLP over FP8Linear projections runs the FP8 kernels in inference, within the
+    rule; with an input that requires grad (training: FP8Linear's backward), per-tensor
+    scales or static activation scales, the route leaves the module to its own
+    forward."""
+    mlp, weights, scales = _fp8_gemma_mlp(device)
+    layer, family = fused_geglu.layers.GeGLUMLP, fused_geglu.layers.GEMMA_MLP
+    x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    with torch.no_grad():
+        out = layer.forward(mlp, x)
+    assert launched[0] == (
+        "geglu_mlp_kernel" if tokens <= 16 else "quantize_fp8_kernel"
+    )
+    check_mlp(out, x, weights, scales, [None] * 3, "tanh", fused_geglu)  # fmt: skip
+
+    route = fused_geglu.route
+    r = route.module_route(mlp, family)
+    assert r.fp8 is not None
+    assert route.mlp_output(r, x.clone().requires_grad_()) is None
+    for block, scheme in (((64, 64), "dynamic"), ((128, 128), "static")):
+        other, _, _ = _fp8_gemma_mlp(device, block=block, scheme=scheme)
+        assert route.module_route(other, family).fp8 is None, (block, scheme)
+
+
+def test_layer_follows_fp8_scales_swapped(fused_geglu, device):
+    """The route watches the block scales too: new scales, a new result."""
+    mlp, weights, scales = _fp8_gemma_mlp(device)
+    layer = fused_geglu.layers.GeGLUMLP
+    x = torch.randn(2, 256, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        before = layer.forward(mlp, x)
+        mlp.down_proj.weight_scale_inv.data = mlp.down_proj.weight_scale_inv.data * 2
+        after = layer.forward(mlp, x)
+    assert torch.equal(after, before * 2)  # a power of two scales every sum exactly
+    scaled = list(scales)
+    scaled[2] = scales[2] * 2
+    check_mlp(after, x, weights, scaled, [None] * 3, "tanh", fused_geglu)  # fmt: skip
+
+
+def test_fp8_op_compiles(fused_geglu, device):
+    """Under torch.compile(fullgraph=True) the FP8 MLP is one opaque op (three kernels at
+    any size: a branch on the token count would recompile); its result within the rule."""
+    weights, scales, _ = fp8_params(128, 128, 128, device, False)
+    x = torch.randn(20, 128, dtype=torch.bfloat16, device=device)
+    fn = torch.compile(fused_geglu.geglu_mlp_fp8, fullgraph=True)
+    out = fn(x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2])
+    check_mlp(out, x, weights, scales, [None] * 3, "tanh", fused_geglu)

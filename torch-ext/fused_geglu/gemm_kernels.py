@@ -557,7 +557,10 @@ def geglu_mlp_kernel(
     zeroes them again for the next launch. Every weight byte is read once, by one launch.
     The order of the fp32 additions varies between launches (not bitwise reproducible).
     FP8: x is quantized per row and 128 columns as it is read, and h as the program forms
-    it (its BLOCK_I = 128 columns are one scale block): transformers' FP8Linear inputs."""
+    it (its BLOCK_I = 128 columns are one scale block): transformers' FP8Linear inputs.
+    Launched for one row only (route.fp8_mlp_in_one_launch): on the H200 (Triton 3.6) rows
+    past the first came out wrong from the second output tile on; the interpreter's are
+    right (benchmarks/NOTES.md)."""
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
     offs_i = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -595,6 +598,8 @@ def geglu_mlp_kernel(
         acc_gate, acc_up, offs_m, offs_i, M, I, bias_gate_ptr, bias_up_ptr, stride_bias_gate,
         stride_bias_up, None, None, dtype, HAS_BIAS, True, ACTIVATION, False,
     )  # fmt: skip
+    if FP8:
+        h, h_scale = quantize_rows(h.to(tl.float32))
 
     offs_n = tl.arange(0, BLOCK_N)
     d_ptrs = w_down_ptr + offs_n[None, :] * stride_dn + offs_i[:, None] * stride_dk
@@ -603,14 +608,11 @@ def geglu_mlp_kernel(
         mask_n = offs_n < N - n * BLOCK_N
         w_down = tl.load(d_ptrs, mask=mask_i[:, None] & mask_n[None, :], other=0.0)
         if FP8:
-            # h quantized in each step: quantized once before the loop, rows past the
-            # first came out wrong from the second column tile on (Triton 3.6, H200).
-            h_q, h_scale = quantize_rows(h.to(tl.float32))
             down_scale = tl.load(
                 down_scale_ptr + n * stride_dsn + tl.program_id(0) * stride_dsk
             )
             part = _scaled_dot(
-                h_q, w_down, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_scale,
+                h, w_down, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_scale,
                 down_scale, INPUT_PRECISION,
             )  # fmt: skip
         else:

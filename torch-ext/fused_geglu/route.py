@@ -17,9 +17,9 @@ Measured on the H200 (benchmarks/NOTES.md):
   ``torch.use_deterministic_algorithms(True)``, since the one launch's fp32 sums are
   atomic.
 - FP8 (transformers' ``FP8Linear`` projections: e4m3 weights, 128 x 128 block scales,
-  dynamic activations; inference): eager calls of at most MLP_MAX_TOKENS tokens, in CUDA
-  graph captures too, the whole MLP in one launch; else x quantized, the dual GEMM
-  handing h to the down GEMM quantized (three kernels). In training an FP8 projection
+  dynamic activations; inference): eager calls of one token, in CUDA graph captures
+  too, the whole MLP in one launch; else x quantized, the dual GEMM handing h to the
+  down GEMM quantized (three kernels). In training an FP8 projection
   runs its own forward.
 
 A layer runs our kernels only where they reproduce the module's forward. Anywhere else it
@@ -103,16 +103,20 @@ def _one_launch_fits(x: torch.Tensor) -> bool:
     )
 
 
+# The FP8 MLP runs in one launch for one token only: on the H200 the FP8 one-launch
+# kernel's rows past the first came out wrong (gemm_kernels.geglu_mlp_kernel).
+FP8_ONE_LAUNCH_TOKENS = 1
+
+
 def fp8_mlp_in_one_launch(x: torch.Tensor) -> bool:
     """Whether one launch computes the FP8 MLP of ``x``: an eager call (a branch on the
-    token count would recompile under torch.compile) of few tokens, atomics allowed; in
-    a CUDA graph capture too (one launch streams the weights once; the three kernels
-    read them as the quantize and GEMM launches)."""
+    token count would recompile under torch.compile) of one token, atomics allowed; in a
+    CUDA graph capture too (the one launch reads each weight once, in one kernel)."""
     hidden = x.shape[-1]
     m = x.numel() // hidden if hidden else 0
     return (
         not torch.compiler.is_compiling()
-        and 0 < m <= MLP_MAX_TOKENS
+        and 0 < m <= FP8_ONE_LAUNCH_TOKENS
         and not torch.are_deterministic_algorithms_enabled()
     )
 
@@ -695,6 +699,7 @@ def _fp8_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None):
     if (
         not compiling
         and x.is_contiguous()
+        and fp8_mlp_in_one_launch(x)
         and _one_launch_fits(x)  # eager, outside a capture: the prepared launch
         and w_gate.numel()
         and w_down.shape[0]

@@ -433,6 +433,65 @@ def decode_section(path: Path, result: dict) -> list[str]:
     return lines + table(head, rows) + [""]
 
 
+FP8_PATHS = {
+    "fp8_transformers": "FP8, transformers (finegrained-fp8 Triton)",
+    "fp8_ours": "FP8, fused-geglu",
+    "bf16_eager": "bf16, eager",
+    "bf16_ours": "bf16, fused-geglu",
+}
+
+
+def fp8_section(path: Path, result: dict) -> list[str]:
+    """The FP8 MLP against transformers' FP8 path and the bf16 MLPs, forward GPU ms."""
+    ceilings, rows = result["ceilings"], result["forward"]
+    floor_ms = ceilings["fp8_weight_bytes"] / ceilings["copy_TBps"] / 1e9
+    lines = paragraph(
+        f"Gemma-2B MLP with `FineGrainedFP8Config` projections (e4m3, 128 x 128 blocks, "
+        f"dynamic activations), forward GPU ms, CUDA-graph replay up to 64 tokens "
+        f"(`{path.relative_to(ROOT)}`, `benchmarks/fp8.py`; DeepGEMM not measured). FP8 "
+        f"weight-streaming floor {floor_ms * 1e3:.1f} us at {ceilings['copy_TBps']:.2f} TB/s; "
+        f"`torch._scaled_mm` e4m3 {ceilings['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s:"
+    )
+    names = [n for n in FP8_PATHS if n in rows[0]["ms"]]
+    head = ["tokens", *(FP8_PATHS[n] for n in names), "fused-geglu FP8 kernels"]
+    if "fp8_transformers" in names:
+        head.append("FP8 speed-up over transformers")
+    table_rows = []
+    for row in rows:
+        cells = [str(row["tokens"]), *(ms(row["ms"][n]) for n in names)]
+        cells.append(str(row["kernels"]["fp8_ours"]["kernels_per_call"]))
+        if "fp8_transformers" in names:
+            cells.append(
+                f"{row['ms']['fp8_transformers'] / row['ms']['fp8_ours']:.2f}x"
+            )
+        table_rows.append(cells)
+    lines += table(head, table_rows) + [""]
+    errors = result.get("errors_vs_float64", {})
+    if errors:
+        parts = [
+            f"{t} tokens: ours {e['fp8_ours']:.4g}"
+            + (
+                f", transformers {e['fp8_transformers']:.4g}"
+                if "fp8_transformers" in e
+                else ""
+            )
+            for t, e in errors.items()
+        ]
+        lines += paragraph(
+            "Largest error against float64 of the same quantized model: "
+            + "; ".join(parts)
+            + "."
+        )
+    if gemma := result.get("tiny_gemma"):
+        lines += paragraph(
+            f"A tiny Gemma saved and reloaded with `FineGrainedFP8Config`, kernelized: "
+            f"next-token argmax equal to the unkernelized model's at "
+            f"{gemma['argmax_agreement']:.1%} of {gemma['positions']} positions (largest "
+            f"logit difference {gemma['max_abs_logit_diff']:.3g})."
+        )
+    return lines
+
+
 def render_summary() -> str:
     """README.md's text between the markers."""
     compare = max(RESULTS.glob("*-compare.json"))
@@ -451,7 +510,7 @@ def render() -> str:
     rerun = newest("compare-training")
     if rerun and rerun.name > compare.name:
         lines += training_rerun_section(rerun, load(rerun))
-    sections = {"tune-decode": decode_section, "e2e": e2e_section}
+    sections = {"tune-decode": decode_section, "e2e": e2e_section, "fp8": fp8_section}
     sections |= {"families": families_section}
     sections |= {"distributed": distributed_section}
     for kind, section in sections.items():

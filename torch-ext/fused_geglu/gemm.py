@@ -127,8 +127,9 @@ def gemm_config(
 
 def fp8_config(M: int, gated: bool, tma: bool) -> GemmConfig:
     """FP8 GEMMs: BLOCK_K is the scale block (128); a gated GEMM's BLOCK_N too (it
-    quantizes h per 128 columns), and a single one's divides it. The H200 sweep's best
-    (benchmarks/results/*-tune-fp8.json)."""
+    quantizes h per 128 columns), and a single one's divides it. On the H200 the TMA
+    tiles hardly mattered at 8192 tokens (2.40-2.45 ms for the MLP over the sweep in
+    benchmarks/results/exploration/*-fp8-tune.json); 64-row tiles were slower."""
     block_n = FP8_BLOCK if gated else 64
     if INTERPRETED:
         return GemmConfig(32, block_n, FP8_BLOCK, 4, 4, 1)

@@ -13,7 +13,7 @@ from conftest import ROOT, run_python
 # its arguments: CPU tensors and ints stand for the launch's (what Triton specialises on:
 # dtypes, 16-byte alignment, values 1), descriptors from TensorDescriptor.from_tensor.
 _COMPILE_ALL = """
-import dataclasses, importlib.util, json, sys, time
+import dataclasses, importlib.util, json, multiprocessing, os, sys, time
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
@@ -207,16 +207,22 @@ CASES = {
                                   fp8=True, quant_out=True, act_bf16=True)),
     "fp8 tma gemm, down": tma_gemm(8192, 2048, 16384, fp8, E(fp8=True)),
 }
-results = {}
-for name, (kernel, args, consts, options) in CASES.items():
+def compile_case(name):
+    # None, or the case's error (the cases compile in forked workers, one per core)
+    kernel, args, consts, options = CASES[name]
     start = time.perf_counter()
     try:
         compiled(kernel, args, consts, options)
-        results[name] = None
-    except Exception as error:  # noqa: BLE001 (reported per case)
-        cause = error.__cause__ or error
-        results[name] = f"{type(error).__name__}: {str(error)[-800:]} ({cause!r})"[-1500:]
+        error = None
+    except Exception as e:  # noqa: BLE001 (reported per case)
+        cause = e.__cause__ or e
+        error = f"{type(e).__name__}: {str(e)[-800:]} ({cause!r})"[-1500:]
     print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return error
+
+
+with multiprocessing.get_context("fork").Pool(os.cpu_count()) as pool:
+    results = dict(zip(CASES, pool.map(compile_case, list(CASES), chunksize=1)))
 print(json.dumps(results))
 """
 

@@ -332,3 +332,65 @@ def test_fp8_op_compiles(fused_geglu, device):
     fn = torch.compile(fused_geglu.geglu_mlp_fp8, fullgraph=True)
     out = fn(x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2])
     check_mlp(out, x, weights, scales, [None] * 3, "tanh", fused_geglu)
+
+
+def test_down_gemm_per_output_dtype(fused_geglu, device):
+    """The FP8 down GEMM writes x's dtype: one call in bf16 and one in fp16 of the same
+    shapes and operands each get their own kernel (a launcher compiled for one output dtype
+    once served the other: an output of 1e10)."""
+    weights, scales, _ = fp8_params(128, 256, 128, device, False)
+    h = torch.randn(16, 256, device=device)
+    q, s = fp8_quantize_rows(h.cpu())
+    q, s = q.to(device), s.T.contiguous().to(device)
+    ref = (q.double() * s.double().T.repeat_interleave(128, 1)) @ fp8_dequantize_weight(
+        weights[2].cpu(), scales[2].cpu()
+    ).to(device).T
+    for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
+        out = torch.full((16, 128), float("nan"), dtype=dtype, device=device)
+        fused_geglu.gemm.gemm_fp8(q, s, weights[2], scales[2], out)
+        eager = ref.to(dtype)
+        floor = E4M3_MMA_ACCURACY * ref.abs().max().item() * 16
+        assert_close_to_ref(out, ref, eager, floor=floor, what=str(dtype))
+    # (the interpreter compiles nothing: there the plans keyed per output dtype show it)
+    plans = [k for k in fused_geglu.gemm._PLANS if k[:3] == (16, 128, 256)]
+    assert {k[4] for k in plans} >= {torch.bfloat16, torch.float16}
+
+
+def test_modernbert_over_fp8_projections(fused_geglu, device):
+    """ModernBertGeGLUMLP over an FP8Linear Wi ([2I, H]: its halves split at a scale block)
+    and Wo runs the FP8 MLP, the first half activated; a Wi whose halves would split a
+    scale block is left to its own forward."""
+    from transformers import ModernBertConfig
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+    from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
+
+    def mlp_of(inter):
+        mlp = ModernBertMLP(
+            ModernBertConfig(hidden_size=128, intermediate_size=inter, mlp_dropout=0.0)
+        ).eval()
+        params = []
+        for name in ("Wi", "Wo"):
+            w = getattr(mlp, name).weight.detach()
+            q, s = fp8_quantize_weight(w)
+            proj = FP8Linear(w.shape[1], w.shape[0], block_size=(128, 128))
+            proj.weight = torch.nn.Parameter(q.to(device), requires_grad=False)
+            proj.weight_scale_inv = torch.nn.Parameter(s.to(device))
+            setattr(mlp, name, proj)
+            params.append((q.to(device), s.to(device)))
+        return mlp.to(device), params
+
+    mlp, ((wi, si), (wo, so)) = mlp_of(256)
+    route = fused_geglu.route.module_route(mlp, fused_geglu.layers.MODERNBERT_MLP)
+    assert route.fp8 is not None
+    x = torch.randn(20, 128, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        out = fused_geglu.layers.ModernBertGeGLUMLP.forward(mlp, x)
+    # ModernBERT's act is exact GeLU (hidden_activation "gelu")
+    weights = (wi[:256], wi[256:], wo)
+    scales = (si[:2], si[2:], so)
+    check_mlp(out, x, weights, scales, [None] * 3, "none", fused_geglu)
+    odd, _ = mlp_of(192)
+    assert (
+        fused_geglu.route.module_route(odd, fused_geglu.layers.MODERNBERT_MLP).fp8
+        is None
+    )

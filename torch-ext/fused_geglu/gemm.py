@@ -410,7 +410,9 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         None if bias_up is None else bias_up.stride(0),
         *(none2 if scales[1] is None else scales[1].stride()),
     )  # fmt: skip
-    key = (M, N, K, dtype, device, epi, strides)
+    # c's dtype too: an FP8 GEMM's differs from a's (e4m3), and a launcher's kernel is
+    # compiled for one output dtype
+    key = (M, N, K, dtype, c.dtype, device, epi, strides)
     plan = _PLANS.get(key)
     if plan is None:
         tma = K > 0 and tma_applies(M, dtype, device)

@@ -14,7 +14,7 @@ its strides, so transposes are free. Constexpr flags select the fused work:
   BIAS_GRAD    the programs of the first N-tile column also reduce A over K (rows of
                dY^T): the bias gradient inside the weight-gradient GEMM
   ACCUMULATE   C += result (a second product into dX)
-  FP8          A and B are e4m3 with block scales (``BLOCK_K`` = 128 = the scale block): A's
+  FP8          A and B are e4m3 with block scales (``BLOCK_K`` = 128, the scale block): A's
                one per row and 128 columns ([K/128, M]), B's one per 128 x 128 block
                ([N/128, K/128]); each K step's fp32 product is scaled by both before it
                is added (transformers' FineGrainedFP8 semantics, ``quantize_rows``)
@@ -540,7 +540,7 @@ def geglu_mlp_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_DOWN_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
-    FP8: tl.constexpr,  # e4m3 weights with 128 x 128 block scales; BLOCK_I = BLOCK_K = BLOCK_N = 128
+    FP8: tl.constexpr,  # e4m3 weights, 128 x 128 block scales; every tile 128 wide
     EVEN_K: tl.constexpr,  # H % BLOCK_K == 0
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # >= M: every token in one row tile

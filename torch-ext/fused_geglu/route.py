@@ -19,8 +19,8 @@ Measured on the H200 (benchmarks/NOTES.md):
 - FP8 (transformers' ``FP8Linear`` projections: e4m3 weights, 128 x 128 block scales,
   dynamic activations; inference): eager calls of one token, in CUDA graph captures
   too, the whole MLP in one launch; else x quantized, the dual GEMM handing h to the
-  down GEMM quantized (three kernels). In training an FP8 projection
-  runs its own forward.
+  down GEMM quantized (three kernels). In training an FP8 projection runs its own
+  forward.
 
 A layer runs our kernels only where they reproduce the module's forward. Anywhere else it
 runs the module's own forward and warns once, naming the reason.
@@ -352,11 +352,11 @@ def _moved(t, data: tuple | None) -> bool:
 
 def _watched(module: nn.Module, family: Family) -> tuple:
     """Everything a route depends on: the module's class and, per submodule, the module,
-    its weight, bias and FP8 block scales and their data pointers, shapes and strides (``module.to()`` or
-    pruning swap a parameter's data in place: cached views, and the prepared launch's
-    sizes and addresses, would be stale), whether it has hooks, and the id of an
-    instance-level (patched) forward (not the function: it may hold the parent module).
-    ``_unchanged`` compares them on every call."""
+    its weight, bias and FP8 block scales and their data pointers, shapes and strides
+    (``module.to()`` or pruning swap a parameter's data in place: cached views, and the
+    prepared launch's sizes and addresses, would be stale), whether it has hooks, and the
+    id of an instance-level (patched) forward (not the function: it may hold the parent
+    module). ``_unchanged`` compares them on every call."""
     mods = module._modules
     children = []
     for name in family.children:

@@ -262,9 +262,11 @@ def test_geglu_mlp_fp8_errors(fused_geglu, device):
         call(**args(x=torch.randn(2, 64, dtype=torch.bfloat16, device=device)))
 
 
-def _fp8_gemma_mlp(device, hidden=256, inter=384, block=(128, 128), scheme="dynamic"):
+def _fp8_gemma_mlp(device, hidden=256, inter=384, block=(128, 128), scheme="dynamic",
+                   ue8m0=False, bias=False):  # fmt: skip
     """A GemmaMLP whose projections are transformers' FP8Linear, as FineGrainedFP8Config
-    loads them, with our quantized random weights."""
+    loads them, with our quantized random weights (``ue8m0``: power-of-two scales stored
+    as e8m0; ``bias``: trainable biases)."""
     from transformers import GemmaConfig
     from transformers.integrations.finegrained_fp8 import FP8Linear
     from transformers.models.gemma.modeling_gemma import GemmaMLP
@@ -273,14 +275,23 @@ def _fp8_gemma_mlp(device, hidden=256, inter=384, block=(128, 128), scheme="dyna
         hidden_size=hidden, intermediate_size=inter, hidden_act="gelu_pytorch_tanh"
     )
     mlp = GemmaMLP(config)
-    weights, scales, _ = fp8_params(hidden, inter, hidden, device, False)
+    weights, scales, _ = fp8_params(
+        hidden, inter, hidden, device, False, power_of_two=ue8m0
+    )
     for name, w, s in zip(("gate_proj", "up_proj", "down_proj"), weights, scales):
         proj = FP8Linear(
-            w.shape[1], w.shape[0], block_size=block, activation_scheme=scheme
-        )
+            w.shape[1], w.shape[0], block_size=block, activation_scheme=scheme,
+            scale_fmt="ue8m0" if ue8m0 else "float", has_bias=bias,
+        )  # fmt: skip
         proj.weight = torch.nn.Parameter(w, requires_grad=False)
         if block == (128, 128):
-            proj.weight_scale_inv = torch.nn.Parameter(s)
+            proj.weight_scale_inv = torch.nn.Parameter(
+                s.to(torch.float8_e8m0fnu) if ue8m0 else s, requires_grad=not ue8m0
+            )
+        if bias:
+            proj.bias = torch.nn.Parameter(
+                torch.randn(w.shape[0], dtype=torch.bfloat16)
+            )
         setattr(mlp, name, proj.to(device))
     return mlp, weights, scales
 
@@ -394,3 +405,45 @@ def test_modernbert_over_fp8_projections(fused_geglu, device):
         fused_geglu.route.module_route(odd, fused_geglu.layers.MODERNBERT_MLP).fp8
         is None
     )
+
+
+def test_layer_follows_ue8m0_scales_updated_in_place(fused_geglu, device):
+    """e8m0 scales are decoded into an fp32 copy once per route: an in-place update of the
+    e8m0 parameter (load_state_dict copies in place) makes a new route, not a stale copy."""
+    mlp, _, _ = _fp8_gemma_mlp(device, ue8m0=True)
+    layer = fused_geglu.layers.GeGLUMLP
+    x = torch.randn(1, 256, dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        before = layer.forward(mlp, x)
+        state = mlp.state_dict()
+        state["down_proj.weight_scale_inv"] = (
+            state["down_proj.weight_scale_inv"].float() * 2
+        ).to(torch.float8_e8m0fnu)
+        mlp.load_state_dict(state)
+        after = layer.forward(mlp, x)
+    assert torch.equal(after, before * 2)
+
+
+def test_layer_leaves_trainable_fp8_biases_to_the_module(fused_geglu, device):
+    """FP8Linear's own forward gives its biases gradients (``output.add_(bias)``) even when
+    x needs none: with grad enabled the route leaves such a module to its own forward;
+    under no_grad it runs the FP8 kernels."""
+    mlp, _, _ = _fp8_gemma_mlp(device, bias=True)
+    route = fused_geglu.route
+    r = route.module_route(mlp, fused_geglu.layers.GEMMA_MLP)
+    x = torch.randn(3, 256, dtype=torch.bfloat16, device=device)
+    assert route.mlp_output(r, x) is None
+    with torch.no_grad():
+        assert route.mlp_output(r, x) is not None
+
+
+def test_one_launch_fp8_takes_one_row(fused_geglu, device):
+    """The FP8 one-launch kernel takes one row (rows past the first were wrong on the
+    H200): more raise rather than compute."""
+    weights, scales, _ = fp8_params(128, 128, 128, device, False)
+    x = torch.randn(2, 128, dtype=torch.bfloat16, device=device)
+    out = torch.empty(2, 128, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="at most 1 .FP8"):
+        fused_geglu.gemm.geglu_mlp_small(
+            x, *weights, out, fused_geglu.gemm.GELU_TANH, scales=scales
+        )

@@ -343,6 +343,16 @@ def _data_of(t) -> tuple | None:
     return (t.data_ptr(), t.shape, t.stride()) if type(t) in PLAIN_TENSORS else None
 
 
+def _scale_data_of(t) -> tuple | None:
+    """``_data_of`` of FP8 block scales and their version: e8m0 scales are decoded into a
+    copy, which an in-place update (``load_state_dict``) would leave stale."""
+    return None if type(t) not in PLAIN_TENSORS else (*_data_of(t), t._version)
+
+
+def _scale_moved(t, data: tuple | None) -> bool:
+    return data is not None and (_moved(t, data[:3]) or t._version != data[3])
+
+
 def _moved(t, data: tuple | None) -> bool:
     """Whether ``t``'s data is no longer what ``_data_of`` saw (no new objects)."""
     return data is not None and (
@@ -377,7 +387,7 @@ def _watched(module: nn.Module, family: Family) -> tuple:
                 bias,
                 _data_of(bias),
                 scale,
-                _data_of(scale),
+                _scale_data_of(scale),
                 hooked,
                 id(m.__dict__.get("forward")),
             )
@@ -405,7 +415,7 @@ def _unchanged(module: nn.Module, watched: tuple) -> bool:
             or params.get("weight_scale_inv") is not scale
             or _moved(weight, weight_data)
             or _moved(bias, bias_data)
-            or _moved(scale, scale_data)
+            or _scale_moved(scale, scale_data)
             or bool(m._forward_hooks or m._forward_pre_hooks) is not hooked
             or id(m.__dict__.get("forward")) != forward
         ):
@@ -677,9 +687,9 @@ def mlp_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None = 
 
 def _fp8_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None):
     """``mlp_output`` for FP8Linear projections: the FP8 kernels, where they reproduce the
-    module's forward: no gradient for x (FP8Linear's backward serves training), x of the
-    biases' 16-bit dtype, size and device, no autocast or torch.func transform, an
-    identity dropout."""
+    module's forward: no gradient for x or a bias (FP8Linear's own forward serves
+    training), x of the biases' 16-bit dtype, size and device, no autocast or torch.func
+    transform, an identity dropout."""
     (w_gate, w_up, w_down), scales, biases = route.fp8
     compiling = torch.compiler.is_compiling()
     if (
@@ -689,7 +699,7 @@ def _fp8_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None):
         or x.shape[-1] != w_gate.shape[1]
         or x.device != w_gate.device
         or not kernels_run_on(x.device)
-        or (torch.is_grad_enabled() and x.requires_grad)
+        or autograd.needs_grad(x, *biases)  # FP8Linear's own forward records it
         or any(b is not None and b.dtype is not x.dtype for b in biases)
         or torch.is_autocast_enabled(x.device.type)
         or not (compiling or not autograd.transforms_active())

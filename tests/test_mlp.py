@@ -204,6 +204,32 @@ def test_mlp_in_one_launch(fused_geglu, device, monkeypatch, tokens, dtype, bias
         assert_close_to_ref(result, ref, eager, floor=floor, what="one-launch MLP")
 
 
+@pytest.mark.parametrize("dtype", ONE_LAUNCH_DTYPES, ids=str)
+def test_mlp_in_one_launch_every_row(fused_geglu, device, dtype):
+    """Many launches of 2 to 16 rows in a row, of eight programs each: every row of every
+    output within the rule of float64. On the H200 the last program's plain loads of the
+    sums read zeros for some elements of rows past the first (most launches had some:
+    benchmarks/NOTES.md); the interpreter runs programs in turn and cannot race."""
+    hidden, inter = 256, 1024
+    wg, wu, wd, bg, bu, bd = params(hidden, inter, dtype, device, True)
+    generator = torch.Generator().manual_seed(0)
+    for launch in range(40 if HAS_GPU else 2):
+        rows = int(torch.randint(2, 17, (), generator=generator))
+        x = torch.randn(rows, hidden, dtype=dtype, device=device)
+        out = torch.full((rows, hidden), float("nan"), dtype=dtype, device=device)
+        fused_geglu.gemm.geglu_mlp_small(
+            x, wg, wu, wd, out, fused_geglu.gemm.GELU_TANH, bias_gate=bg, bias_up=bu,
+            bias_down=bd,
+        )  # fmt: skip
+        ref = eager_geglu_mlp(*cast([x, wg, wu, wd, bg, bu, bd], torch.float64))
+        eager = eager_geglu_mlp(x, wg, wu, wd, bg, bu, bd)
+        floor = reference.accumulation_floor(ref, inter)
+        assert_close_to_ref(
+            out, ref, eager, floor=floor, what=f"launch {launch}, {rows} rows"
+        )
+    assert _scratch_is_zero(fused_geglu)
+
+
 def test_mlp_in_one_launch_other_output_width(fused_geglu, device, monkeypatch):
     """A down projection whose output width (40) is not the input's (72): the one launch
     writes every output column and no more (the output sits in a NaN buffer that must keep

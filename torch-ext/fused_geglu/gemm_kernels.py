@@ -557,10 +557,7 @@ def geglu_mlp_kernel(
     zeroes them again for the next launch. Every weight byte is read once, by one launch.
     The order of the fp32 additions varies between launches (not bitwise reproducible).
     FP8: x is quantized per row and 128 columns as it is read, and h as the program forms
-    it (its BLOCK_I = 128 columns are one scale block): transformers' FP8Linear inputs.
-    Launched for one row only (route.fp8_mlp_in_one_launch): on the H200 (Triton 3.6) rows
-    past the first came out wrong from the second output tile on; the interpreter's are
-    right (benchmarks/NOTES.md)."""
+    it (its BLOCK_I = 128 columns are one scale block): transformers' FP8Linear inputs."""
     dtype = out_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
     offs_i = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -635,12 +632,15 @@ def geglu_mlp_kernel(
         for n in range(tl.cdiv(N, BLOCK_N)):
             cols = n * BLOCK_N + offs_n
             mask = mask_m[:, None] & (cols < N)[None, :]
-            # The sums where the atomics left them (L2: .cg), then zeros for the next launch.
+            # The sums, read and zeroed for the next launch in one atomic exchange (of
+            # their bits: the interpreter exchanges integers only). A load and a store of
+            # zeros here (.cg or volatile) read zeros for some elements on the H200, all
+            # of their additions missing (benchmarks/NOTES.md).
             sums_tile = sums_ptr + offs_m[:, None] * N + cols[None, :]
-            total = tl.load(sums_tile, mask=mask, cache_modifier=".cg")
-            tl.store(
-                sums_tile, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=mask
-            )
+            total = tl.atomic_xchg(
+                sums_tile.to(tl.pointer_type(tl.int32)),
+                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32), mask=mask, sem="relaxed",
+            ).to(tl.float32, bitcast=True)  # fmt: skip
             if HAS_DOWN_BIAS:
                 bias = tl.load(bias_down_ptr + cols * stride_bias_down, mask=cols < N)
                 total += bias.to(tl.float32)[None, :]

@@ -666,14 +666,10 @@ def geglu_mlp_small(
     block scales, and x and h quantized as gemm_fp8's A operands (geglu_mlp_fp8)."""
     M, H, stride_x = _rows(x)
     I, N = w_gate.shape[0], w_down.shape[0]
-    if M > MLP_MAX_TOKENS or (scales is not None and M > 1):
-        most = (
-            MLP_MAX_TOKENS
-            if scales is None
-            else "1 (FP8: rows past the first were wrong on the H200)"
-        )
+    if M > MLP_MAX_TOKENS:
         raise ValueError(
-            f"geglu_mlp_small takes at most {most} rows, got x of shape {tuple(x.shape)}"
+            f"geglu_mlp_small takes at most {MLP_MAX_TOKENS} rows, got x of shape "
+            f"{tuple(x.shape)}"
         )
     if M == 0 or N == 0:
         return

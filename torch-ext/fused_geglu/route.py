@@ -17,10 +17,10 @@ Measured on the H200 (benchmarks/NOTES.md):
   ``torch.use_deterministic_algorithms(True)``, since the one launch's fp32 sums are
   atomic.
 - FP8 (transformers' ``FP8Linear`` projections: e4m3 weights, 128 x 128 block scales,
-  dynamic activations; inference): eager calls of one token, in CUDA graph captures
-  too, the whole MLP in one launch; else x quantized, the dual GEMM handing h to the
-  down GEMM quantized (three kernels). In training an FP8 projection runs its own
-  forward.
+  dynamic activations; inference): eager calls of at most MLP_MAX_TOKENS tokens, and
+  CUDA graph captures of at most FP8_CAPTURED_ONE_LAUNCH_TOKENS, the whole MLP in one
+  launch; else x quantized, the dual GEMM handing h to the down GEMM quantized (three
+  kernels). In training an FP8 projection runs its own forward.
 
 A layer runs our kernels only where they reproduce the module's forward. Anywhere else it
 runs the module's own forward and warns once, naming the reason.
@@ -103,22 +103,24 @@ def _one_launch_fits(x: torch.Tensor) -> bool:
     )
 
 
-# The FP8 MLP runs in one launch for one token only: on the H200 the FP8 one-launch
-# kernel's rows past the first came out wrong (gemm_kernels.geglu_mlp_kernel).
-FP8_ONE_LAUNCH_TOKENS = 1
+# The most tokens of an FP8 MLP that one launch computes inside a CUDA graph capture,
+# where host time is not spent per call: there it took less GPU time than the three
+# kernels up to 8 tokens (benchmarks/NOTES.md).
+FP8_CAPTURED_ONE_LAUNCH_TOKENS = 8
 
 
 def fp8_mlp_in_one_launch(x: torch.Tensor) -> bool:
-    """Whether one launch computes the FP8 MLP of ``x``: an eager call (a branch on the
-    token count would recompile under torch.compile) of one token, atomics allowed; in a
-    CUDA graph capture too (the one launch reads each weight once, in one kernel)."""
+    """Whether one launch computes the FP8 MLP of ``x``: not under torch.compile (a branch
+    on the token count would recompile), atomics allowed; eager calls of at most
+    MLP_MAX_TOKENS tokens, and in a CUDA graph capture of at most
+    FP8_CAPTURED_ONE_LAUNCH_TOKENS (the one launch reads each weight once, in one
+    kernel; its atomics grow with the tokens)."""
     hidden = x.shape[-1]
     m = x.numel() // hidden if hidden else 0
-    return (
-        not torch.compiler.is_compiling()
-        and 0 < m <= FP8_ONE_LAUNCH_TOKENS
-        and not torch.are_deterministic_algorithms_enabled()
-    )
+    if torch.compiler.is_compiling() or torch.are_deterministic_algorithms_enabled():
+        return False
+    captured = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    return 0 < m <= (FP8_CAPTURED_ONE_LAUNCH_TOKENS if captured else MLP_MAX_TOKENS)
 
 
 def fp8_scale(scale: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,9 @@ GEMMA_2B = {
 }
 
 
+TASKS = ("prefill", "generate", "generate_static_cache")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -58,6 +61,19 @@ def parse_args(argv=None):
         action="store_true",
         help="also time the kernelized model with the one-launch decode MLP turned off "
         "(the dual GEMM and cuBLAS, as under torch.compile)",
+    )
+    parser.add_argument(
+        "--launches-skipped",
+        action="store_true",
+        help="also time the kernelized model with Triton's launcher skipped (its outputs "
+        "unwritten): the host time of our Python path alone",
+    )
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        choices=TASKS,
+        default=list(TASKS),
+        help="the rows to time (default: all)",
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -125,6 +141,22 @@ class two_kernel_route:
             self.route["MLP_MAX_TOKENS"] = limit
 
 
+class launches_skipped(two_kernel_route):
+    """A kernelized model whose calls run with every direct launch skipped (the Launcher
+    reports it launched): our host path without Triton's launcher call."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.launcher = self.route["MLPLaunch"].__call__.__globals__["Launcher"]
+
+    def _off(self, fn, *args, **kwargs):
+        run, self.launcher._run = self.launcher._run, lambda *_: True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.launcher._run = run
+
+
 def tasks(model, args, prefill_ids, prompt_ids) -> dict:
     """{task: call} for one model; generate's calls return the generated tokens."""
 
@@ -138,10 +170,25 @@ def tasks(model, args, prefill_ids, prompt_ids) -> dict:
             **kwargs,
         )
 
-    return {
+    calls = {
         "prefill": lambda: model(prefill_ids, logits_to_keep=1),
         "generate": generate,
         "generate_static_cache": lambda: generate(cache_implementation="static"),
+    }
+    return {task: calls[task] for task in args.tasks}
+
+
+def logits_agreement(eager, ours, ids, keep: int = 256) -> dict:
+    """The logits of one forward over ``ids`` (its last ``keep`` positions), ours against
+    eager's: the largest difference over eager's largest magnitude, and the fraction of
+    positions whose argmax agrees (greedy tokens alone can agree over a wrong MLP: random
+    weights)."""
+    a, b = (m(ids, logits_to_keep=keep).logits.float() for m in (eager, ours))
+    return {
+        "tokens": ids.shape[-1],
+        "positions": a.shape[1],
+        "max_abs_diff_over_max_abs": ((a - b).abs().max() / a.abs().max()).item(),
+        "argmax_equal_fraction": (a.argmax(-1) == b.argmax(-1)).float().mean().item(),
     }
 
 
@@ -160,6 +207,8 @@ def run(args) -> dict:
     models = [("eager", eager), ("ours", ours)]
     if args.two_kernels:
         models.append(("ours_two_kernels", two_kernel_route(ours)))
+    if args.launches_skipped:
+        models.append(("ours_launches_skipped", launches_skipped(ours)))
     if args.free_mlp:
         free = copy.deepcopy(eager)
         for m in free.model.layers:
@@ -178,10 +227,14 @@ def run(args) -> dict:
     torch._dynamo.config.recompile_limit = 8 * args.layers
     torch._dynamo.config.accumulated_recompile_limit = 64 * args.layers
     with torch.inference_mode():
+        agreement = [  # the one-launch MLP (a prompt's few tokens), the dual GEMM (prefill)
+            logits_agreement(eager, ours, ids) for ids in (prompt_ids, prefill_ids)
+        ]
+        print(json.dumps(agreement), flush=True)
         warm = {key: call() for key, call in calls.items()}  # compiles; greedy tokens
         times = lib.interleaved(calls, lambda call: lib.timed(call)[1], args.rounds)
     rows = []
-    for task in ("prefill", "generate", "generate_static_cache"):
+    for task in args.tasks:
         per = 1 if task == "prefill" else args.new_tokens
         row = {"task": task, "unit": "ms" if per == 1 else "ms per new token"}
         for name, _ in models:
@@ -201,7 +254,10 @@ def run(args) -> dict:
         print(json.dumps(row), flush=True)
     config = GEMMA_2B | {"num_hidden_layers": args.layers, "dtype": "bfloat16"}
     run_args = {k: v for k, v in vars(args).items() if k != "out"}
-    return {"env": env, "model": config, "args": run_args, "rows": rows}
+    return {
+        "env": env, "model": config, "args": run_args, "logits_agreement": agreement,
+        "rows": rows,
+    }  # fmt: skip
 
 
 def main(argv=None) -> int:

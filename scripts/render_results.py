@@ -381,7 +381,7 @@ E2E_MODELS = {
     "free_mlp": "MLPs of zero cost (the ceiling)",
 }
 # gemm.mlp_config's choice, as tune.py's decode sweep names it.
-DECODE_CONFIG = "(128, 128, 128, 8, 3)"
+DECODE_CONFIG = "(128, 128, 256, 8, 3)"
 E2E_TASKS = {
     "prefill": "prefill, ms",
     "generate": "`generate()`, default cache, ms per token",
@@ -416,13 +416,25 @@ def e2e_section(path: Path, result: dict) -> list[str]:
 def decode_section(path: Path, result: dict) -> list[str]:
     """The decode MLP's GPU time in one kernel (eager calls) and in two (CUDA graphs,
     torch.compile), from tune.py's decode sweep: the configuration the table uses."""
+    decode = result["decode_mlp"]
+    fp8 = all("fp8_one_kernel" in row for row in decode.values())
     rows = []
-    for tokens, row in result["decode_mlp"].items():
-        one = row[DECODE_CONFIG]
-        rows.append([tokens, ms(one), ms(row["two_kernels"]), ms(row["eager"])])
+    for tokens, row in decode.items():
+        cells = [
+            tokens,
+            ms(row[DECODE_CONFIG]),
+            ms(row["two_kernels"]),
+            ms(row["eager"]),
+        ]
+        if fp8:
+            cells += [ms(row["fp8_one_kernel"]), ms(row["fp8_three_kernels"])]
+        rows.append(cells)
     lines = paragraph(
-        f"Gemma-2B decode MLP, GPU ms (`{path.relative_to(ROOT)}`): eager calls run one "
-        f"kernel (half the host time), CUDA graphs and torch.compile two:"
+        f"Gemma-2B decode MLP, GPU ms by CUDA-graph replay (`{path.relative_to(ROOT)}`): "
+        f"eager calls run one kernel (half the host time), CUDA graphs and torch.compile "
+        f"two"
+        + (" (FP8: one up to 8 tokens in a graph, three beyond)" if fp8 else "")
+        + ":"
     )
     head = [
         "tokens",
@@ -430,6 +442,8 @@ def decode_section(path: Path, result: dict) -> list[str]:
         "two kernels (graphs, compile)",
         "eager",
     ]
+    if fp8:
+        head += ["FP8, one kernel", "FP8, three kernels"]
     return lines + table(head, rows) + [""]
 
 

@@ -143,7 +143,8 @@ def tma_gemm(M, N, K, dtype, epi, a_t=False, b_t=False):
 
 def decode_mlp(H, I, N, dtype, bias, fp8_weights=False):
     cfg = gemm.mlp_config(H, I, dtype, "cuda", fp8_weights) if fp8_weights else {
-        "BLOCK_I": 128, "BLOCK_K": 128 if dtype != fp32 else 64, "BLOCK_N": 128,
+        "BLOCK_I": 128, "BLOCK_K": 128 if dtype != fp32 else 64,
+        "BLOCK_N": 256 if dtype != fp32 else 128,
         "num_warps": 8, "num_stages": 3}
     names = [p.name for p in gk.geglu_mlp_kernel.params if not p.is_constexpr]
     args = {n: t(64, dtype=dtype) for n in names if n.endswith("_ptr")}

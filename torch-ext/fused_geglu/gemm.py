@@ -620,9 +620,10 @@ def mlp_config(
     H: int, I: int, dtype: torch.dtype, device: torch.device, fp8: bool = False
 ) -> dict:
     """geglu_mlp_kernel's tiles: one program per BLOCK_I intermediate columns, as many as
-    fit one wave of the GPU (Gemma-2B, I = 16384: 128 programs of 128 columns); the
-    H200 sweep's best (benchmarks/results/*-tune-decode.json). FP8: every tile is 128
-    wide, the scale block."""
+    fit one wave of the GPU (Gemma-2B, I = 16384: 128 programs of 128 columns), output
+    tiles of 256 columns in 16 bits (fewer tiles to reduce); the H200 sweep's best
+    (benchmarks/results/*-tune-decode.json). FP8: every tile is 128 wide, the scale
+    block."""
     if fp8:
         return {"BLOCK_I": FP8_BLOCK, "BLOCK_K": FP8_BLOCK, "BLOCK_N": FP8_BLOCK,
                 "num_warps": 4 if INTERPRETED else 8,
@@ -636,9 +637,9 @@ def mlp_config(
             "num_stages": 1,
         }
     block_i = 128 if cdiv(I, 128) >= num_programs(device) // 2 else 64
-    block_k = 128 if dtype != torch.float32 else 64
-    return {"BLOCK_I": block_i, "BLOCK_K": block_k, "BLOCK_N": 128, "num_warps": 8,
-            "num_stages": 3}  # fmt: skip
+    wide = dtype != torch.float32  # fp32 tiles of twice the bytes: half as wide
+    return {"BLOCK_I": block_i, "BLOCK_K": 128 if wide else 64,
+            "BLOCK_N": 256 if wide else 128, "num_warps": 8, "num_stages": 3}  # fmt: skip
 
 
 # The one-launch MLP's fp32 sums [M, N] and its arrival count, both zero between launches

@@ -389,8 +389,9 @@ E2E_TASKS = {
 }
 
 
-def e2e_section(path: Path, result: dict) -> list[str]:
-    """The end-to-end rows: eager against kernelized, and the other models of the run."""
+def e2e_section(path: Path, result: dict, brief: bool = False) -> list[str]:
+    """The end-to-end rows: eager against kernelized, and the other models of the run;
+    then, but ``brief`` (README), the logits' agreement."""
     model, args = result["model"], result["args"]
     others = [k[: -len("_ms")] for k in result["rows"][0] if k.endswith("_ms")]
     others = [name for name in others if name not in ("eager", "ours")]
@@ -410,13 +411,31 @@ def e2e_section(path: Path, result: dict) -> list[str]:
              "-" if equal is None else ("yes" if equal else "no")]
             + [f"{row[f'{name}_speedup']:.3f}x" for name in others]
         )  # fmt: skip
-    return lines + table(head, rows) + [""]
+    lines += table(head, rows) + [""]
+    if "logits_agreement" in result and not brief:  # none before 2026-12-01T20
+        checks = [
+            f"{a['tokens']} tokens ({a['positions']} positions): largest difference "
+            f"{a['max_abs_diff_over_max_abs']:.2%} of eager's largest logit, argmax equal "
+            f"at {a['argmax_equal_fraction']:.0%}"
+            for a in result["logits_agreement"]
+        ]
+        lines += paragraph(
+            "Logits against eager's, one forward each: " + "; ".join(checks) + "."
+        )
+    return lines
 
 
-def decode_section(path: Path, result: dict) -> list[str]:
+# The decode rows README.md shows (docs/results.md: all).
+README_DECODE_TOKENS = ("1", "4", "16")
+
+
+def decode_section(path: Path, result: dict, brief: bool = False) -> list[str]:
     """The decode MLP's GPU time in one kernel (eager calls) and in two (CUDA graphs,
-    torch.compile), from tune.py's decode sweep: the configuration the table uses."""
+    torch.compile), from tune.py's decode sweep: the configuration the table uses.
+    ``brief`` (README): 1, 4 and 16 tokens."""
     decode = result["decode_mlp"]
+    if brief:
+        decode = {t: row for t, row in decode.items() if t in README_DECODE_TOKENS}
     fp8 = all("fp8_one_kernel" in row for row in decode.values())
     rows = []
     for tokens, row in decode.items():
@@ -433,7 +452,7 @@ def decode_section(path: Path, result: dict) -> list[str]:
         f"Gemma-2B decode MLP, GPU ms by CUDA-graph replay (`{path.relative_to(ROOT)}`): "
         f"eager calls run one kernel (half the host time), CUDA graphs and torch.compile "
         f"two"
-        + (" (FP8: one up to 8 tokens in a graph, three beyond)" if fp8 else "")
+        + (" (FP8: one up to 8 tokens in a graph)" if fp8 and not brief else "")
         + ":"
     )
     head = [
@@ -467,7 +486,11 @@ def fp8_section(path: Path, result: dict) -> list[str]:
         f"`torch._scaled_mm` e4m3 {ceilings['fp8_scaled_mm_TFLOPs']:.0f} TFLOP/s:"
     )
     names = [n for n in FP8_PATHS if n in rows[0]["ms"]]
-    head = ["tokens", *(FP8_PATHS[n] for n in names), "fused-geglu FP8 kernels"]
+    head = [
+        "tokens",
+        *(FP8_PATHS[n] for n in names),
+        "fused-geglu FP8 kernels, eager call",
+    ]
     if "fp8_transformers" in names:
         head.append("FP8 speed-up over transformers")
     table_rows = []
@@ -511,9 +534,9 @@ def render_summary() -> str:
     compare = max(RESULTS.glob("*-compare.json"))
     lines = summary_section(compare, load(compare))
     if path := newest("tune-decode"):
-        lines += decode_section(path, load(path))
+        lines += decode_section(path, load(path), brief=True)
     if path := newest("e2e"):
-        lines += e2e_section(path, load(path))
+        lines += e2e_section(path, load(path), brief=True)
     return "\n".join(lines) + "\n"
 
 

@@ -9,8 +9,11 @@ the GPU drained before and after each call; medians):
   included).
 Each row has the speed-up of the medians and the median of each round's speed-up (the
 host's drift between rounds cancels in the latter).
-The warm-up's greedy tokens of the kernelized model are compared with eager's. Writes the
-environment and every row as JSON to benchmarks/results/<date>-<gpu>-e2e.json or --out.
+The warm-up's greedy tokens of the kernelized model are compared with eager's, and so are
+the logits of one forward over the prompt (the one-launch MLP) and over the prefill (the
+dual GEMM). --free-mlp, --two-kernels and --launches-skipped add models to the rounds;
+--tasks picks the rows. Writes the environment and every row as JSON to
+benchmarks/results/<date>-<gpu>-e2e.json or --out.
 
 Usage: python benchmarks/e2e.py [--layers 18] [--prefill-tokens 8192] [--new-tokens 64]
 Needs a CUDA GPU: without one it says so and exits with status 2.

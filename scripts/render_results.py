@@ -451,9 +451,7 @@ def decode_section(path: Path, result: dict, brief: bool = False) -> list[str]:
     lines = paragraph(
         f"Gemma-2B decode MLP, GPU ms by CUDA-graph replay (`{path.relative_to(ROOT)}`): "
         f"eager calls run one kernel (half the host time), CUDA graphs and torch.compile "
-        f"two"
-        + (" (FP8: one up to 8 tokens in a graph)" if fp8 and not brief else "")
-        + ":"
+        f"two:"
     )
     head = [
         "tokens",

@@ -454,9 +454,42 @@ def test_one_launch_fp8_limits(fused_geglu, device):
             bias_up=biases[1], bias_down=biases[2], scales=scales,
         )  # fmt: skip
         check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu, f"{rows} rows")
+    scratch = fused_geglu.gemm._MLP_SCRATCH.values()
+    assert all(not s.any() and not a.any() for s, a in scratch)  # left zero
     x = torch.randn(most + 1, 256, dtype=torch.bfloat16, device=device)
     out = torch.empty(most + 1, 256, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match=f"at most {most} rows"):
         fused_geglu.gemm.geglu_mlp_small(
             x, *weights, out, fused_geglu.gemm.GELU_TANH, scales=scales
         )
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")
+def test_fp8_mlp_in_cuda_graph(fused_geglu, device, monkeypatch):
+    """Captured in a CUDA graph, geglu_mlp_fp8 runs the three kernels, also at the token
+    counts that eager calls run in one launch; the replays give the eager call's result
+    (fp32 sums in another order: within a bf16 unit)."""
+    weights, scales, biases = fp8_params(256, 384, 256, device, True)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    for tokens in (1, fused_geglu.gemm.MLP_MAX_TOKENS):
+        x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
+        args = (x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2])
+        with torch.no_grad():
+            expected = fused_geglu.geglu_mlp_fp8(*args, *biases).clone()
+            assert launched == ["geglu_mlp_kernel"], tokens
+            torch.use_deterministic_algorithms(True)
+            try:  # compile the three kernels before the capture
+                fused_geglu.geglu_mlp_fp8(*args, *biases)
+            finally:
+                torch.use_deterministic_algorithms(False)
+            launched.clear()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fused_geglu.geglu_mlp_fp8(*args, *biases)
+        assert launched == ["quantize_fp8_kernel", "gemm_kernel", "gemm_kernel"], tokens
+        launched.clear()
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)

@@ -206,11 +206,12 @@ def test_mlp_in_one_launch(fused_geglu, device, monkeypatch, tokens, dtype, bias
 
 @pytest.mark.parametrize("dtype", ONE_LAUNCH_DTYPES, ids=str)
 def test_mlp_in_one_launch_every_row(fused_geglu, device, dtype):
-    """Many launches of 2 to 16 rows in a row, of eight programs each: every row of every
-    output within the rule of float64. On the H200 the last program's plain loads of the
-    sums read zeros for some elements of rows past the first (most launches had some:
-    benchmarks/NOTES.md); the interpreter runs programs in turn and cannot race."""
-    hidden, inter = 256, 1024
+    """Many launches of 2 to 16 rows in a row, over several programs and output tiles (the
+    last one partial): every row of every output within the rule of float64. On the H200
+    the last program's plain loads of the sums read zeros for some elements of rows past
+    the first (most launches had some: benchmarks/NOTES.md); the interpreter runs
+    programs in turn and cannot race."""
+    hidden, inter = 640, 1024
     wg, wu, wd, bg, bu, bd = params(hidden, inter, dtype, device, True)
     generator = torch.Generator().manual_seed(0)
     for launch in range(40 if HAS_GPU else 2):

@@ -730,8 +730,9 @@ def _mlp_plan(M, H, I, N, dtype, device, activation: int, strides: tuple) -> tup
 class MLPLaunch:
     """``geglu_mlp_small`` for one module's weights, with what depends only on them worked
     out once: a call on a contiguous ``x`` of 1 to MLP_MAX_TOKENS rows, in the weights'
-    dtype and on their device, outside a CUDA graph capture (the caller's checks:
-    route.mlp_in_one_launch), allocates the output and launches. The layers' decode path,
+    dtype (FP8: ``dtype``) and on their device, outside a CUDA graph capture (the
+    caller's checks: route.mlp_output's and _fp8_output's), allocates the output and
+    launches. The layers' decode path,
     where the host time of a call is the cost."""
 
     __slots__ = ("activation", "addresses", "device", "device_index", "device_type",

@@ -641,6 +641,7 @@ def geglu_mlp_kernel(
                 sums_tile.to(tl.pointer_type(tl.int32)),
                 tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32), mask=mask, sem="relaxed",
             ).to(tl.float32, bitcast=True)  # fmt: skip
+            total = tl.where(mask, total, 0.0)  # masked lanes hold no sum
             if HAS_DOWN_BIAS:
                 bias = tl.load(bias_down_ptr + cols * stride_bias_down, mask=cols < N)
                 total += bias.to(tl.float32)[None, :]

@@ -141,10 +141,10 @@ def geglu_mlp_fp8(
     ``weight_scale_inv`` of [ceil(out/128), ceil(in/128)] in float32 or float8_e8m0fnu:
     ``weight * scale`` per 128 x 128 block. x ([..., H], bfloat16 or float16) is quantized
     per token and 128 columns (scale = amax / 448) and so is h = round(gelu(gate)) * up;
-    each projection's output is in x's dtype, its bias added in the epilogue. For one
-    token (eager) the whole MLP is one kernel; beyond, three (x's quantization, the dual
-    GEMM quantizing h in its epilogue, the down GEMM). Not differentiable: an x that
-    requires grad raises.
+    each projection's output is in x's dtype, its bias added in the epilogue. In eager
+    calls of up to 16 tokens the whole MLP is one kernel; beyond, and in CUDA graphs,
+    three (x's quantization, the dual GEMM quantizing h in its epilogue, the down GEMM).
+    Not differentiable: an x that requires grad raises.
     """
     check_approximate("geglu_mlp_fp8", approximate)
     weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}

@@ -12,15 +12,15 @@ Measured on the H200 (benchmarks/NOTES.md):
   backward was faster on every measured shape; in inference our GEMM.
 - decode (at most MLP_MAX_TOKENS tokens, inference, where the dual GEMM runs), eager
   calls: the whole MLP in one launch (gemm.geglu_mlp_small), at half the host time of the
-  two kernels and a few percent more GPU time. In a CUDA graph or under torch.compile the
+  two kernels and 2-30% more GPU time (1 to 16 tokens). In a CUDA graph or under torch.compile the
   host time is not spent per call, so the two kernels run there; and with
   ``torch.use_deterministic_algorithms(True)``, since the one launch's fp32 sums are
   atomic.
 - FP8 (transformers' ``FP8Linear`` projections: e4m3 weights, 128 x 128 block scales,
-  dynamic activations; inference): eager calls of at most MLP_MAX_TOKENS tokens, and
-  CUDA graph captures of at most FP8_CAPTURED_ONE_LAUNCH_TOKENS, the whole MLP in one
-  launch; else x quantized, the dual GEMM handing h to the down GEMM quantized (three
-  kernels). In training an FP8 projection runs its own forward.
+  dynamic activations; inference): as decode above, eager calls the whole MLP in one
+  launch (in a CUDA graph the three kernels took 6-27% less GPU time at 1 to 16 tokens);
+  else x quantized, the dual GEMM handing h to the down GEMM quantized (three kernels).
+  In training an FP8 projection runs its own forward.
 
 A layer runs our kernels only where they reproduce the module's forward. Anywhere else it
 runs the module's own forward and warns once, naming the reason.
@@ -85,10 +85,10 @@ def linear(x, weight, bias, activation: int) -> torch.Tensor:
 
 
 def mlp_in_one_launch(x: torch.Tensor) -> bool:
-    """Whether one launch computes the MLP of ``x`` where the dual GEMM would run (see the
-    module docstring): an eager call (not compiled, not captured in a CUDA graph: there no
-    host time is spent per call, and the two kernels take less GPU time), few tokens,
-    atomics allowed."""
+    """Whether one launch computes the MLP of ``x`` where the dual GEMM (16-bit) or the FP8
+    kernels would run (see the module docstring): an eager call (not compiled, not
+    captured in a CUDA graph: there no host time is spent per call, and the two or three
+    kernels take less GPU time), few tokens, atomics allowed."""
     return not torch.compiler.is_compiling() and _one_launch_fits(x)
 
 
@@ -101,26 +101,6 @@ def _one_launch_fits(x: torch.Tensor) -> bool:
         and not torch.are_deterministic_algorithms_enabled()
         and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
     )
-
-
-# The most tokens of an FP8 MLP that one launch computes inside a CUDA graph capture,
-# where host time is not spent per call: there it took less GPU time than the three
-# kernels up to 8 tokens (benchmarks/NOTES.md).
-FP8_CAPTURED_ONE_LAUNCH_TOKENS = 8
-
-
-def fp8_mlp_in_one_launch(x: torch.Tensor) -> bool:
-    """Whether one launch computes the FP8 MLP of ``x``: not under torch.compile (a branch
-    on the token count would recompile), atomics allowed; eager calls of at most
-    MLP_MAX_TOKENS tokens, and in a CUDA graph capture of at most
-    FP8_CAPTURED_ONE_LAUNCH_TOKENS (the one launch reads each weight once, in one
-    kernel; its atomics grow with the tokens)."""
-    hidden = x.shape[-1]
-    m = x.numel() // hidden if hidden else 0
-    if torch.compiler.is_compiling() or torch.are_deterministic_algorithms_enabled():
-        return False
-    captured = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    return 0 < m <= (FP8_CAPTURED_ONE_LAUNCH_TOKENS if captured else MLP_MAX_TOKENS)
 
 
 def fp8_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -137,7 +117,7 @@ def geglu_mlp_fp8(x, weights: tuple, scales: tuple, biases: tuple, approximate: 
     (w_gate, w_up, w_down), (b_gate, b_up, b_down) = weights, biases
     return library.geglu_mlp_fp8(
         x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate, b_up, b_down,
-        approximate, fp8_mlp_in_one_launch(x),
+        approximate, mlp_in_one_launch(x),
     )  # fmt: skip
 
 
@@ -711,7 +691,6 @@ def _fp8_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None):
     if (
         not compiling
         and x.is_contiguous()
-        and fp8_mlp_in_one_launch(x)
         and _one_launch_fits(x)  # eager, outside a capture: the prepared launch
         and w_gate.numel()
         and w_down.shape[0]

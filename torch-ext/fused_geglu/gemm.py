@@ -732,8 +732,7 @@ class MLPLaunch:
     out once: a call on a contiguous ``x`` of 1 to MLP_MAX_TOKENS rows, in the weights'
     dtype (FP8: ``dtype``) and on their device, outside a CUDA graph capture (the
     caller's checks: route.mlp_output's and _fp8_output's), allocates the output and
-    launches. The layers' decode path,
-    where the host time of a call is the cost."""
+    launches. The layers' decode path, where the host time of a call is the cost."""
 
     __slots__ = ("activation", "addresses", "device", "device_index", "device_type",
                  "dtype", "hidden", "operands", "plans", "scales", "sizes",

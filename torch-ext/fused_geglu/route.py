@@ -12,8 +12,8 @@ Measured on the H200 (benchmarks/NOTES.md):
   backward was faster on every measured shape; in inference our GEMM.
 - decode (at most MLP_MAX_TOKENS tokens, inference, where the dual GEMM runs), eager
   calls: the whole MLP in one launch (gemm.geglu_mlp_small), at half the host time of the
-  two kernels and 2-30% more GPU time (1 to 16 tokens). In a CUDA graph or under torch.compile the
-  host time is not spent per call, so the two kernels run there; and with
+  two kernels and 2-30% more GPU time (1 to 16 tokens). In a CUDA graph or under
+  torch.compile the host time is not spent per call, so the two kernels run there; and with
   ``torch.use_deterministic_algorithms(True)``, since the one launch's fp32 sums are
   atomic.
 - FP8 (transformers' ``FP8Linear`` projections: e4m3 weights, 128 x 128 block scales,

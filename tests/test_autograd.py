@@ -18,6 +18,10 @@ def ops(fused_geglu):
             lambda g, u: fused_geglu.geglu(g, u, "tanh"),
             lambda g, u: eager_geglu(g, u, "tanh"),
         ),
+        "geglu_halves": (  # one projection's halves, the gate second (diffusers' GEGLU)
+            lambda y: fused_geglu.autograd.geglu_halves(y, 1, "tanh"),
+            lambda y: eager_geglu(y[..., 3:], y[..., :3], "tanh"),
+        ),
         "linear": (
             lambda x, w, b: fused_geglu.linear(x, w, b, "gelu"),
             lambda x, w, b: eager_linear(x, w, b, "gelu"),
@@ -32,13 +36,14 @@ def ops(fused_geglu):
 def inputs(name, device):
     shapes = {
         "geglu": [(4, 6), (4, 6)],
+        "geglu_halves": [(4, 6)],
         "linear": [(4, 5), (6, 5), (6,)],
         "geglu_linear": [(4, 5), (6, 5), (6, 5)],
     }[name]
     return [torch.randn(s, device=device, requires_grad=True) for s in shapes]
 
 
-@pytest.mark.parametrize("name", ["geglu", "linear", "geglu_linear"])
+@pytest.mark.parametrize("name", ["geglu", "geglu_halves", "linear", "geglu_linear"])
 def test_double_backward(fused_geglu, device, name):
     """A gradient penalty: d/dθ ||d out / d inputs||², as eager computes it."""
     ours, eager = ops(fused_geglu)[name]
@@ -53,7 +58,7 @@ def test_double_backward(fused_geglu, device, name):
         torch.testing.assert_close(o, e, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["geglu", "linear", "geglu_linear"])
+@pytest.mark.parametrize("name", ["geglu", "geglu_halves", "linear", "geglu_linear"])
 def test_torch_func_transforms(fused_geglu, device, name):
     """grad, vmap, jacrev and jvp (forward-mode AD) give eager's results."""
     ours, eager = ops(fused_geglu)[name]
@@ -124,8 +129,10 @@ def _spy_activation_backward(fused_geglu, monkeypatch) -> list[str]:
     def spy(name, fn):
         return lambda *args: taken.append(name) or fn(*args)
 
+    halves = library.geglu_halves_grad.eager
     monkeypatch.setattr(library.geglu_grad_in_place, "eager", spy("in place", in_place))
     monkeypatch.setattr(library.geglu_grad, "eager", spy("allocated", allocated))
+    monkeypatch.setattr(library.geglu_halves_grad, "eager", spy("allocated", halves))
     return taken
 
 
@@ -215,3 +222,56 @@ def test_owned_activation_backward_never_reads_overwritten_data(fused_geglu, dev
     g_ref, u_ref = ref * 2, ref * 3
     (F.gelu(g_ref, approximate="tanh") * u_ref + g_ref.sin()).sum().backward()
     torch.testing.assert_close(x.grad, ref.grad)
+
+
+@pytest.mark.parametrize("family", ["modernbert", "diffusers", "gelu_and_mul"])
+def test_halves_backward_concatenates_nothing(fused_geglu, device, family):
+    """A layer over one projection's halves (ModernBERT's Wi, diffusers' proj, the
+    GeluAndMul layer's input) returns their gradient as one tensor: the training step runs
+    no concatenation (through chunk or slice views, autograd joins the halves' gradients
+    into a copy of the projection's output's size), with eager's gradients."""
+    from diffusers.models.activations import GEGLU
+    from transformers import ModernBertConfig
+    from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
+
+    layers = fused_geglu.layers
+    if family == "modernbert":
+        config = ModernBertConfig(hidden_size=32, intermediate_size=48, mlp_dropout=0.0)
+        module, layer = ModernBertMLP(config), layers.ModernBertGeGLUMLP
+    elif family == "diffusers":
+        module, layer = GEGLU(32, 40), layers.GEGLU
+    else:
+        module, layer = torch.nn.Linear(32, 80), None
+    module = module.to(device)
+    x = torch.randn(3, 4, 32, device=device, requires_grad=True)
+
+    def step(ours: bool):
+        x.grad = None
+        module.zero_grad()
+        if layer is not None:
+            out = layer.forward(module, x) if ours else module(x)
+        else:  # GeluAndMul over a projection's output: gelu(y[..., :40]) * y[..., 40:]
+            y = module(x)
+            out = (
+                layers.GeluAndMul.forward(None, y)
+                if ours
+                else F.gelu(y[..., :40]) * y[..., 40:]
+            )
+        with torch.profiler.profile() as prof:
+            out.square().sum().backward()
+        names = {e.name for e in prof.events()}
+        return (
+            out.detach(),
+            [x.grad.clone()] + [p.grad.clone() for p in module.parameters()],
+            names,
+        )
+
+    # chunk's backward concatenates; a slice's writes into zeros, then the two add up
+    joins = {"aten::cat", "aten::slice_backward"}
+    out_eager, expected, eager_names = step(False)
+    assert joins & eager_names  # the test can see them
+    out, got, names = step(True)
+    assert not joins & names, sorted(n for n in names if n.startswith("aten::"))
+    torch.testing.assert_close(out, out_eager)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)

@@ -28,6 +28,10 @@ def geglu_formula(gate, up, approximate):
     return F.gelu(gate, approximate=approximate) * up
 
 
+def geglu_halves_formula(y, gate_half, approximate):
+    return geglu_formula(*library.gate_and_up(y, gate_half), approximate)
+
+
 def linear_formula(x, weight, bias, activation):
     y = F.linear(x, weight, bias)
     return (
@@ -98,6 +102,43 @@ class GeGLU(torch.autograd.Function):
         else:
             dgate, dup = library.geglu_grad(dout, gate, up, ctx.approximate)
         return dgate if needs[0] else None, dup if needs[1] else None, None, None
+
+
+class GeGLUHalves(torch.autograd.Function):
+    """GeGLU of the two halves of one tensor ``y`` (a projection's output), with y's
+    gradient returned as one tensor: through views (``chunk``), autograd would concatenate
+    the halves' gradients, a copy of y's size. ``owned``: as GeGLU's; y itself then
+    carries its gradient."""
+
+    @staticmethod
+    def forward(ctx, y, gate_half, approximate, owned):
+        ctx.save_for_backward(y)
+        ctx.gate_half, ctx.approximate, ctx.owned = gate_half, approximate, owned
+        return library.geglu_halves(y, gate_half, approximate)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (y,) = ctx.saved_tensors
+        gate_half, approximate = ctx.gate_half, ctx.approximate
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        if torch.is_grad_enabled():
+            inputs = (y, gate_half, approximate)
+            needs = (True, False, False)
+            return *_differentiable_grads(
+                geglu_halves_formula, inputs, needs, dout
+            ), None
+        if ctx.owned and not library.dispatched(dout) and not _keeps_graph():
+            gate, up = library.gate_and_up(y, gate_half)
+            library.geglu_grad_in_place.eager(dout, gate, up, approximate)
+            torch.autograd.graph.increment_version((y,))
+            return y, None, None, None
+        return (
+            library.geglu_halves_grad(dout, y, gate_half, approximate),
+            None,
+            None,
+            None,
+        )
 
 
 class Linear(torch.autograd.Function):
@@ -195,6 +236,15 @@ def geglu(gate, up, approximate: str, owned: bool = False) -> torch.Tensor:
     return _call(
         GeGLU, geglu_formula, library.geglu, args, (gate, up), function_args=(owned,)
     )
+
+
+def geglu_halves(y, gate_half: int, approximate: str, owned: bool = False):
+    """``owned``: see GeGLU."""
+    args = (y, gate_half, approximate)
+    return _call(
+        GeGLUHalves, geglu_halves_formula, library.geglu_halves, args, (y,),
+        function_args=(owned,),
+    )  # fmt: skip
 
 
 def linear(x, weight, bias, activation: int) -> torch.Tensor:

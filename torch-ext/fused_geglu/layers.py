@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd
 from .checks import is_dtensor
 from .gemm import NO_ACT
 from .route import (
     Family,
     fallback_reason,
     geglu_projections,
+    halves_activation,
     input_reason,
     linear,
     mlp_output,
@@ -231,8 +231,7 @@ def _halves_geglu(module: nn.Module, x: torch.Tensor, approximate: str, layer: s
     else:
         reason = input_reason(x)
     if reason is None:
-        d = x.shape[-1] // 2
-        return autograd.geglu(x[..., :d], x[..., d:], approximate)
+        return halves_activation(x, 0, approximate)
     warn_fallback(module, layer, reason)
     return type(module).forward(module, x)
 

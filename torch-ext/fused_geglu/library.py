@@ -159,9 +159,45 @@ geglu_grad_in_place = KernelOp(
 )
 
 
+def gate_and_up(y: torch.Tensor, gate_half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The halves of ``y`` (``[..., 2d]``) as (gate, up) views; ``gate_half``: which half is
+    the gate (0: the first)."""
+    d = y.shape[-1] // 2
+    first, second = y[..., :d], y[..., d:]
+    return (first, second) if gate_half == 0 else (second, first)
+
+
+def _geglu_halves(y, gate_half, approximate):
+    return _geglu(*gate_and_up(y, gate_half), approximate)
+
+
+geglu_halves = KernelOp(
+    "geglu_halves",
+    "(Tensor y, int gate_half, str approximate) -> Tensor",
+    _geglu_halves,
+    lambda y, gate_half, approximate: _empty(y, *y.shape[:-1], y.shape[-1] // 2),
+)
+
+
+def _geglu_halves_backward(dout, y, gate_half, approximate):
+    """y's gradient as one tensor, its halves written by the backward kernel (no concat)."""
+    dy = _empty(y, *y.shape)
+    geglu_backward(
+        dout, *gate_and_up(y, gate_half), approximate, *gate_and_up(dy, gate_half)
+    )
+    return dy
+
+
+geglu_halves_grad = KernelOp(
+    "geglu_halves_backward",
+    "(Tensor dout, Tensor y, int gate_half, str approximate) -> Tensor",
+    _geglu_halves_backward,
+    lambda dout, y, gate_half, approximate: _empty(y, *y.shape),
+)
+
+
 def _gelu_and_mul(out, x, approximate):
-    d = x.shape[-1] // 2
-    geglu_forward(x[..., :d], x[..., d:], out, approximate)
+    geglu_forward(*gate_and_up(x, 0), out, approximate)
 
 
 gelu_and_mul = KernelOp(

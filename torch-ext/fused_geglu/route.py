@@ -320,87 +320,66 @@ def _plain_linear_operands(m: nn.Module) -> tuple | None:
     return None if is_dtensor(weight) else (weight, m._parameters["bias"])
 
 
-def _data_of(t) -> tuple | None:
-    """(data pointer, shape, strides) of a local tensor parameter, else None."""
-    return (t.data_ptr(), t.shape, t.stride()) if type(t) in PLAIN_TENSORS else None
-
-
-def _scale_data_of(t) -> tuple | None:
-    """``_data_of`` of FP8 block scales and their version: e8m0 scales are decoded into a
-    copy, which an in-place update (``load_state_dict``) would leave stale."""
-    return None if type(t) not in PLAIN_TENSORS else (*_data_of(t), t._version)
-
-
-def _scale_moved(t, data: tuple | None) -> bool:
-    return data is not None and (_moved(t, data[:3]) or t._version != data[3])
-
-
-def _moved(t, data: tuple | None) -> bool:
-    """Whether ``t``'s data is no longer what ``_data_of`` saw (no new objects)."""
-    return data is not None and (
-        t.data_ptr() != data[0] or t.shape != data[1] or t.stride() != data[2]
-    )
+_PARAMETERS = ("weight", "bias", "weight_scale_inv")  # weight_scale_inv: FP8Linear's
 
 
 def _watched(module: nn.Module, family: Family) -> tuple:
-    """Everything a route depends on: the module's class and, per submodule, the module,
-    its weight, bias and FP8 block scales and their data pointers, shapes and strides
-    (``module.to()`` or pruning swap a parameter's data in place: cached views, and the
-    prepared launch's sizes and addresses, would be stale), whether it has hooks, and the
-    id of an instance-level (patched) forward (not the function: it may hold the parent
-    module). ``_unchanged`` compares them on every call."""
+    """Everything a route depends on, as flat lists of checks (``_unchanged`` runs them on
+    every call, with no calls of its own): the module's class; per submodule, the module,
+    its weight, bias and FP8 block scales (identity), their data pointers, shapes and
+    strides (``module.to()`` or pruning swap a parameter's data in place: cached views,
+    and the prepared launch's sizes and addresses, would be stale), the scales' version
+    (e8m0 scales are decoded into a copy, which an in-place ``load_state_dict`` would
+    leave stale), whether it has hooks, and the id of an instance-level (patched) forward
+    (not the function: it may hold the parent module). A module's ``_modules``,
+    ``_parameters`` and ``__dict__`` are its own for life (``nn.Module`` never reassigns
+    them)."""
     mods = module._modules
-    children = []
+    members, datas, versions, hooks, forwards = [], [], [], [], []
     for name in family.children:
         m = mods.get(name)
+        members.append((mods, name, m))
         if m is None:
-            children.append((name, None) + (None,) * 6 + (False, id(None)))
             continue
         params = m._parameters
-        weight, bias = params.get("weight"), params.get("bias")
-        scale = params.get("weight_scale_inv")  # FP8Linear's block scales
-        hooked = bool(m._forward_hooks or m._forward_pre_hooks)
-        children.append(
-            (
-                name,
-                m,
-                weight,
-                _data_of(weight),
-                bias,
-                _data_of(bias),
-                scale,
-                _scale_data_of(scale),
-                hooked,
-                id(m.__dict__.get("forward")),
-            )
-        )
-    return type(module), tuple(children)
+        for key in _PARAMETERS:
+            t = params.get(key)
+            members.append((params, key, t))
+            if type(t) in PLAIN_TENSORS:
+                datas.append((t, t.data_ptr(), t.shape, t.stride()))
+                if key == "weight_scale_inv":
+                    versions.append((t, t._version))
+        hooks.append((m, bool(m._forward_hooks or m._forward_pre_hooks)))
+        forwards.append((m.__dict__, id(m.__dict__.get("forward"))))
+    return type(module), (
+        tuple(members),
+        tuple(datas),
+        tuple(versions),
+        tuple(hooks),
+        tuple(forwards),
+    )
 
 
 def _unchanged(module: nn.Module, watched: tuple) -> bool:
-    """Whether ``_watched(module, ...)`` would equal ``watched``: identity tests and dict
-    reads, no new objects."""
-    cls, children = watched
+    """Whether ``_watched(module, ...)`` would equal ``watched``: identity tests, dict
+    reads and the tensors' own queries, no new objects but their sizes."""
+    cls, (members, datas, versions, hooks, forwards) = watched
     if type(module) is not cls:
         return False
-    mods = module._modules
-    for (name, m, weight, weight_data, bias, bias_data, scale, scale_data, hooked,
-         forward) in children:  # fmt: skip
-        if mods.get(name) is not m:
+    for container, key, member in members:
+        if container.get(key) is not member:
             return False
-        if m is None:
-            continue
-        params = m._parameters
-        if (
-            params.get("weight") is not weight
-            or params.get("bias") is not bias
-            or params.get("weight_scale_inv") is not scale
-            or _moved(weight, weight_data)
-            or _moved(bias, bias_data)
-            or _scale_moved(scale, scale_data)
-            or bool(m._forward_hooks or m._forward_pre_hooks) is not hooked
-            or id(m.__dict__.get("forward")) != forward
-        ):
+    for t, pointer, shape, strides in datas:
+        if t.data_ptr() != pointer or t.shape != shape or t.stride() != strides:
+            return False
+    for t, version in versions:
+        if t._version != version:
+            return False
+    for m, hooked in hooks:  # read afresh: a library may replace a hook dict
+        if bool(m._forward_hooks or m._forward_pre_hooks) is not hooked:
+            return False
+    for instance_dict, forward in forwards:
+        if id(instance_dict.get("forward")) != forward:
             return False
     return True
 
@@ -733,15 +712,14 @@ def geglu_projections(route: ModuleRoute, x: torch.Tensor, family: Family):
             return autograd.geglu_linear(
                 x, w_gate, w_up, b_gate, b_up, route.approximate
             ), True
-    if len(route.projections) == 2:
-        gate, up = route.projections[0](x), route.projections[1](x)
-    else:
-        halves = route.projections[0](x).chunk(2, dim=-1)
-        gate, up = halves[family.gate_half], halves[1 - family.gate_half]
     # Plain nn.Linear projections without hooks hand their outputs to no one else (a
     # global forward hook could): the activation's backward may overwrite them.
     owned = route.fusable is not None and not _GLOBAL_FORWARD_HOOKS
-    return activation(gate, up, route.approximate, owned), False
+    if len(route.projections) == 2:
+        gate, up = route.projections[0](x), route.projections[1](x)
+        return activation(gate, up, route.approximate, owned), False
+    y = route.projections[0](x)
+    return halves_activation(y, family.gate_half, route.approximate, owned), False
 
 
 _GLOBAL_FORWARD_HOOKS = nn.modules.module._global_forward_hooks
@@ -767,6 +745,24 @@ def activation(
             library.register_dtensor_rules()
         return autograd.geglu(gate, up, approximate, owned)
     return autograd.geglu_formula(gate, up, approximate)
+
+
+def halves_activation(
+    y: torch.Tensor, gate_half: int, approximate: str, owned: bool = False
+) -> torch.Tensor:
+    """``gelu(gate) * up`` over the halves of ``y`` (``gate_half``: which is the gate): one
+    op on y where our kernel runs on it (its gradient then needs no concatenation), else
+    ``activation`` of its chunks (a DTensor, an odd last dim: eager's result or error)."""
+    if (
+        type(y) in PLAIN_TENSORS
+        and y.dim() > 0
+        and y.shape[-1] % 2 == 0
+        and y.dtype in SUPPORTED_DTYPES
+        and kernels_run_on(y.device)
+    ):
+        return autograd.geglu_halves(y, gate_half, approximate, owned)
+    halves = y.chunk(2, dim=-1)
+    return activation(halves[gate_half], halves[1 - gate_half], approximate, owned)
 
 
 def project_down(route: ModuleRoute, h: torch.Tensor, fused: bool) -> torch.Tensor:

@@ -270,6 +270,12 @@ def main() -> None:
         with torch.no_grad():
             for call in calls.values():
                 call()  # compile / autotune outside the timing
+                if graph:  # and what the capture runs (NOTES.md: a cold capture failed)
+                    torch.use_deterministic_algorithms(True)  # no one launch
+                    try:
+                        call()
+                    finally:
+                        torch.use_deterministic_algorithms(False)
             times = bench_lib.interleaved(
                 calls, lambda fn: bench_lib.bench_ms(fn, graph), args.rounds
             )

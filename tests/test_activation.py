@@ -196,6 +196,15 @@ def test_opcheck(fused_geglu, device):
         fused_geglu.library.gelu_and_mul.op,
         (torch.empty(4, 33, device=device), x, "tanh"),
     )
+    # One tensor's halves, contiguous and transposed (strided halves), either half the gate.
+    for y in (torch.randn(4, 66, device=device), torch.randn(66, 4, device=device).t()):
+        for gate_half in (0, 1):
+            library = fused_geglu.library
+            torch.library.opcheck(library.geglu_halves.op, (y, gate_half, "tanh"))
+            dout = torch.randn(4, 33, device=device)
+            torch.library.opcheck(
+                library.geglu_halves_grad.op, (dout, y, gate_half, "none")
+            )
 
 
 def test_torch_compile_fullgraph(fused_geglu, device):

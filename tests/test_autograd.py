@@ -275,3 +275,28 @@ def test_halves_backward_concatenates_nothing(fused_geglu, device, family):
     torch.testing.assert_close(out, out_eager)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+def test_owned_halves_backward_never_reads_overwritten_data(fused_geglu, device):
+    """geglu_halves over a tensor it owns writes y's gradient over y and bumps y's version:
+    a node that saved y (or a view of it) and runs its backward after ours meets PyTorch's
+    in-place error; without that node, eager's gradient."""
+    geglu_halves = fused_geglu.autograd.geglu_halves
+    x = torch.randn(4, 6, device=device, requires_grad=True)
+    y = x * 2
+    version = y._version
+    geglu_halves(y, 1, "tanh", owned=True).sum().backward()
+    assert y._version > version
+    for saved in (lambda y: y.sin(), lambda y: y[:, :3].sin()):
+        y = x * 2
+        earlier = saved(y)  # saves y; its backward runs after ours
+        h = geglu_halves(y, 1, "tanh", owned=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (h.sum() + earlier.sum()).backward()
+    x.grad = None
+    y = x * 2
+    geglu_halves(y, 1, "tanh", owned=True).sum().backward()
+    ref = x.detach().requires_grad_()
+    y_ref = ref * 2
+    (F.gelu(y_ref[:, 3:], approximate="tanh") * y_ref[:, :3]).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad)

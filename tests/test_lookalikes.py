@@ -167,3 +167,8 @@ def test_gelu_and_mul_layers(fused_geglu, device, layer, approximate):
         pytest.warns(RuntimeWarning, match="no even last dim"),
     ):
         forward(odd)
+    # torch.export traces FakeTensors through it: the graph holds our op, not eager's.
+    module.forward = forward
+    exported = torch.export.export(module, (torch.randn(4, 8, device=device),))
+    ops = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert len(ops) == 1 and ops[0].endswith(".geglu_halves.default"), ops

@@ -430,6 +430,49 @@ def test_layer_one_launch_after_weights_change_in_place(
         check(torch.randn(2, 64, dtype=dtype, device=device), "under a profiler")
 
 
+def test_layer_route_follows_later_changes(fused_geglu, device):
+    """After a first call has cached the route (the one launch), the layer still computes
+    the module's forward when a projection's parameter dict is replaced (as DeepSpeed's
+    ZeRO does) and a new weight set in it, when a hook is registered on a projection (it
+    fires in the layer's call), and when a projection's forward is patched on the
+    instance: each change on a fresh module."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    layer, GEMMA_MLP = fused_geglu.layers.GeGLUMLP, fused_geglu.layers.GEMMA_MLP
+    config = GemmaConfig(hidden_size=64, intermediate_size=96, hidden_act="gelu_pytorch_tanh")  # fmt: skip
+    dtype = torch.float16  # the one launch's dtypes
+    x = torch.randn(3, 64, device=device, dtype=dtype)
+    seen = []
+
+    def new_parameters(mlp):
+        down = mlp.down_proj
+        down._parameters = dict(down._parameters)
+        down.weight = torch.nn.Parameter(torch.randn_like(down.weight))
+
+    def hooked(mlp):
+        mlp.gate_proj.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+
+    def patched(mlp):
+        up = mlp.up_proj
+        up.forward = lambda t: torch.nn.functional.linear(t, up.weight, up.bias) * 2
+
+    for change in (new_parameters, hooked, patched):
+        mlp = GemmaMLP(config).to(device, dtype)
+        with torch.no_grad():
+            layer.forward(mlp, x)
+            assert fused_geglu.route.module_route(mlp, GEMMA_MLP).mlp_launch is not None
+            change(mlp)
+            seen.clear()
+            got = layer.forward(mlp, x)
+            fired = len(seen)
+            expected = type(mlp).forward(mlp, x)  # GemmaMLP's own, through the change
+        torch.testing.assert_close(got, expected, msg=change.__name__)
+        assert change is not hooked or fired, (
+            "the hook did not fire in the layer's call"
+        )
+
+
 def test_layers_one_launch(fused_geglu, device, monkeypatch):
     """The layers take the one launch in inference at a few tokens, and keep the module's
     forward where a dropout between activation and down projection is active (T5 in

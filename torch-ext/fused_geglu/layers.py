@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import autograd
 from .checks import is_dtensor
 from .gemm import NO_ACT
 from .route import (
@@ -231,7 +232,10 @@ def _halves_geglu(module: nn.Module, x: torch.Tensor, approximate: str, layer: s
     else:
         reason = input_reason(x)
     if reason is None:
-        return halves_activation(x, 0, approximate)
+        if is_dtensor(x):  # through activation()'s sharding rules
+            return halves_activation(x, 0, approximate)
+        # the op for any other tensor, FakeTensors (torch.export) too
+        return autograd.geglu_halves(x, 0, approximate)
     warn_fallback(module, layer, reason)
     return type(module).forward(module, x)
 

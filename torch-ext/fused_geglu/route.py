@@ -324,62 +324,60 @@ _PARAMETERS = ("weight", "bias", "weight_scale_inv")  # weight_scale_inv: FP8Lin
 
 
 def _watched(module: nn.Module, family: Family) -> tuple:
-    """Everything a route depends on, as flat lists of checks (``_unchanged`` runs them on
-    every call, with no calls of its own): the module's class; per submodule, the module,
-    its weight, bias and FP8 block scales (identity), their data pointers, shapes and
-    strides (``module.to()`` or pruning swap a parameter's data in place: cached views,
-    and the prepared launch's sizes and addresses, would be stale), the scales' version
-    (e8m0 scales are decoded into a copy, which an in-place ``load_state_dict`` would
-    leave stale), whether it has hooks, and the id of an instance-level (patched) forward
-    (not the function: it may hold the parent module). A module's ``_modules``,
-    ``_parameters`` and ``__dict__`` are its own for life (``nn.Module`` never reassigns
-    them)."""
+    """Everything a route depends on: the module's class; per submodule, the module, its
+    weight, bias and FP8 block scales (identity), whether it has hooks and the id of an
+    instance-level (patched) forward (not the function: it may hold the parent module);
+    and, as a flat list, the parameters' data pointers, shapes and strides (``module.to()``
+    or pruning swap a parameter's data in place: cached views, and the prepared launch's
+    sizes and addresses, would be stale) and the scales' versions (e8m0 scales are
+    decoded into a copy, which an in-place ``load_state_dict`` would leave stale).
+    ``_unchanged`` compares them on every call."""
     mods = module._modules
-    members, datas, versions, hooks, forwards = [], [], [], [], []
+    children, datas, versions = [], [], []
     for name in family.children:
         m = mods.get(name)
-        members.append((mods, name, m))
         if m is None:
+            children.append((name, None, (), False, id(None)))
             continue
         params = m._parameters
-        for key in _PARAMETERS:
-            t = params.get(key)
-            members.append((params, key, t))
+        members = tuple((key, params.get(key)) for key in _PARAMETERS)
+        for key, t in members:
             if type(t) in PLAIN_TENSORS:
                 datas.append((t, t.data_ptr(), t.shape, t.stride()))
                 if key == "weight_scale_inv":
                     versions.append((t, t._version))
-        hooks.append((m, bool(m._forward_hooks or m._forward_pre_hooks)))
-        forwards.append((m.__dict__, id(m.__dict__.get("forward"))))
-    return type(module), (
-        tuple(members),
-        tuple(datas),
-        tuple(versions),
-        tuple(hooks),
-        tuple(forwards),
-    )
+        hooked = bool(m._forward_hooks or m._forward_pre_hooks)
+        children.append((name, m, members, hooked, id(m.__dict__.get("forward"))))
+    return type(module), tuple(children), tuple(datas), tuple(versions)
 
 
 def _unchanged(module: nn.Module, watched: tuple) -> bool:
-    """Whether ``_watched(module, ...)`` would equal ``watched``: identity tests, dict
-    reads and the tensors' own queries, no new objects but their sizes."""
-    cls, (members, datas, versions, hooks, forwards) = watched
+    """Whether ``_watched(module, ...)`` would equal ``watched``: identity tests, reads of
+    the modules' own dicts (afresh: a library may replace one, as DeepSpeed's ZeRO does
+    ``_parameters``) and the tensors' queries; no calls of its own."""
+    cls, children, datas, versions = watched
     if type(module) is not cls:
         return False
-    for container, key, member in members:
-        if container.get(key) is not member:
+    mods = module._modules
+    for name, m, members, hooked, forward in children:
+        if mods.get(name) is not m:
+            return False
+        if m is None:
+            continue
+        params = m._parameters
+        for key, member in members:
+            if params.get(key) is not member:
+                return False
+        if (
+            bool(m._forward_hooks or m._forward_pre_hooks) is not hooked
+            or id(m.__dict__.get("forward")) != forward
+        ):
             return False
     for t, pointer, shape, strides in datas:
         if t.data_ptr() != pointer or t.shape != shape or t.stride() != strides:
             return False
     for t, version in versions:
         if t._version != version:
-            return False
-    for m, hooked in hooks:  # read afresh: a library may replace a hook dict
-        if bool(m._forward_hooks or m._forward_pre_hooks) is not hooked:
-            return False
-    for instance_dict, forward in forwards:
-        if id(instance_dict.get("forward")) != forward:
             return False
     return True
 

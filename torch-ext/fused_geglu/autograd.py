@@ -118,27 +118,22 @@ class GeGLUHalves(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        # y is the Function's one tensor input: autograd records it only when y needs grad.
         (y,) = ctx.saved_tensors
         gate_half, approximate = ctx.gate_half, ctx.approximate
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None
         if torch.is_grad_enabled():
-            inputs = (y, gate_half, approximate)
-            needs = (True, False, False)
-            return *_differentiable_grads(
+            inputs, needs = (y, gate_half, approximate), (True, False, False)
+            (dy, _, _) = _differentiable_grads(
                 geglu_halves_formula, inputs, needs, dout
-            ), None
-        if ctx.owned and not library.dispatched(dout) and not _keeps_graph():
+            )
+        elif ctx.owned and not library.dispatched(dout) and not _keeps_graph():
             gate, up = library.gate_and_up(y, gate_half)
             library.geglu_grad_in_place.eager(dout, gate, up, approximate)
             torch.autograd.graph.increment_version((y,))
-            return y, None, None, None
-        return (
-            library.geglu_halves_grad(dout, y, gate_half, approximate),
-            None,
-            None,
-            None,
-        )
+            dy = y
+        else:
+            dy = library.geglu_halves_grad(dout, y, gate_half, approximate)
+        return dy, None, None, None
 
 
 class Linear(torch.autograd.Function):

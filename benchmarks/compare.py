@@ -257,12 +257,19 @@ def training_mode(module: nn.Module, device, dtype) -> nn.Module:
     return module
 
 
+# Trained again at 4x their tokens (eager against ours).
+LARGER_TRAINING = (
+    "ModernBERT base MLP",
+    "Stable Diffusion 1.5 GEGLU (dim 640, 32x32 latents x 2)",
+)
+
+
 def training(ours, device="cuda", dtype=BF16, scale=1, **timers):
     """Each family's feed-forward at one real model size, one training step (the input and
     every parameter trainable, dropout at p = 0 so that every peer computes the same):
     the eager module, torch.compile of it, Liger (Gemma's MLP) and our layer's forward on
-    it; then the Gemma MLP with frozen projections (only the input trainable), eager
-    against ours. ``scale`` divides every size; ``timers`` (training_steps' ``timer``,
+    it; LARGER_TRAINING at 4x the tokens, eager against ours; then the Gemma MLP with
+    frozen projections (only the input trainable), eager against ours. ``scale`` divides every size; ``timers`` (training_steps' ``timer``,
     ``memory``, ``gpu_timer``, ``host_timer``) replace the GPU measures (a CPU smoke
     run)."""
     result = {}
@@ -284,6 +291,12 @@ def training(ours, device="cuda", dtype=BF16, scale=1, **timers):
             peers["liger"] = liger
         peers["ours"] = lambda x, m=module, layer=layer: layer.forward(m, x)
         measure(name, peers, module, tokens, hidden)
+    # The one-projection families at 4x the tokens: past route.TRAINING_KERNEL_MIN_ELEMENTS
+    # (their rows above run eager's ops), where our activation runs.
+    for name in LARGER_TRAINING:
+        module, layer, tokens, hidden = modules[name]
+        peers = {"eager": module, "ours": lambda x, m=module, l=layer: l.forward(m, x)}
+        measure(f"{name}, 4x the tokens", peers, module, 4 * tokens, hidden)
     module, layer, tokens, hidden = modules["Gemma-2B MLP"]
     module.requires_grad_(False)
     peers = {"eager": module, "ours": lambda x: layer.forward(module, x)}

@@ -87,3 +87,11 @@ def fused_geglu():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _training_kernels_at_every_size(fused_geglu, monkeypatch):
+    """Tests run tiny shapes: training calls there take our kernels, as large ones do
+    (route.TRAINING_KERNEL_MIN_ELEMENTS leaves small one-op-GeLU training calls to eager's
+    ops; test_families.py tests that threshold with its own values)."""
+    monkeypatch.setattr(fused_geglu.route, "TRAINING_KERNEL_MIN_ELEMENTS", 0)

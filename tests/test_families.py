@@ -321,6 +321,59 @@ def test_projections_keep_their_forwards(device, family, projection):
     assert "geglu_linear" not in ops.names, sorted(ops.names)
 
 
+# The activation's outputs per row of x in MODULES' modules, and the family whose GeLU is
+# a formula of several ops (T5's gelu_new) rather than one F.gelu.
+ACTIVATION_WIDTH = {"t5": 72, "modernbert": 40, "diffusers": 40}
+FORMULA_GELU = {"t5"}
+
+
+@pytest.mark.parametrize("projection", ["plain", "wrapped"])
+@pytest.mark.parametrize("family", MODULES)
+def test_small_training_calls_run_eager_ops(
+    fused_geglu, monkeypatch, device, family, projection
+):
+    """route.TRAINING_KERNEL_MIN_ELEMENTS: a training call with fewer activation outputs
+    runs eager's ops where the module's GeLU is one F.gelu (ModernBERT's, diffusers'),
+    and our activation from that many on; with T5's gelu_new (several ops) ours at every
+    size. Plain projections (the module's own forward) and wrapped ones (eager's
+    activation after their forwards) alike; gradients equal eager's."""
+    build, name = MODULES[family]
+    eager = build().to(device)
+    if projection == "wrapped":
+        wrap_projection(eager, name)
+    x = torch.randn(2, 5, 32, device=device, requires_grad=True)
+    outputs = 10 * ACTIVATION_WIDTH[family]
+    projected = []  # the layer's own path past the route (plain projections skip it)
+    real = fused_geglu.layers.geglu_projections
+    monkeypatch.setattr(
+        fused_geglu.layers,
+        "geglu_projections",
+        lambda *args: projected.append(1) or real(*args),
+    )
+    for threshold, small in ((outputs + 1, True), (outputs, False)):
+        monkeypatch.setattr(
+            fused_geglu.route, "TRAINING_KERNEL_MIN_ELEMENTS", threshold
+        )
+        ours = kernelized(copy.deepcopy(eager), device, Mode.TRAINING)  # a new route
+        projected.clear()
+        with _OpNames() as ops:
+            got = ours(x)
+            got.square().sum().backward()
+        runs_ours = not small or family in FORMULA_GELU
+        assert bool(projected) == (runs_ours or projection == "wrapped")
+        expected = eager(x)
+        expected.square().sum().backward()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for (n, p), q in zip(eager.named_parameters(), ours.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-4, msg=n)
+            p.grad = None
+        assert (ACTIVATION_OP[family] in ops.names) == runs_ours, sorted(ops.names)
+        x.grad = None
+        with torch.no_grad(), _OpNames() as ops:  # inference: ours at every size
+            ours(x)
+        assert ops.names, "inference ran none of our ops"
+
+
 def test_autocast_keeps_eager_casts(device):
     """Under autocast the projections run through it (as eager), then our activation."""
     eager = gated_dense(T5DenseGatedActDense, T5Config).to(device)

@@ -159,6 +159,42 @@ def test_layer_down_projection_route(fused_geglu, device, monkeypatch, tokens):
     assert_close_to_ref(out, ref, eager)
 
 
+@pytest.mark.parametrize("call", ["layer", "geglu_mlp"])
+def test_small_training_calls_run_eager_ops(fused_geglu, device, monkeypatch, call):
+    """route.TRAINING_KERNEL_MIN_ELEMENTS: below that many activation outputs (tokens x
+    intermediate) a training call of Gemma's MLP (one F.gelu) or of ``geglu_mlp`` runs
+    eager's ops, from that many our activation; the results and gradients are eager's."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    hidden, inter, tokens = 64, 136, 6
+    config = GemmaConfig(
+        hidden_size=hidden, intermediate_size=inter, hidden_act="gelu_pytorch_tanh"
+    )
+    mlp = GemmaMLP(config).to(device)
+    x = torch.randn(tokens, hidden, device=device, requires_grad=True)
+    weights = [p.weight for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    ours = {
+        "layer": lambda: fused_geglu.layers.GeGLUMLP.forward(mlp, x),
+        "geglu_mlp": lambda: fused_geglu.geglu_mlp(x, *weights),
+    }[call]
+    inputs = [x, *weights]
+    expected = mlp(x)
+    expected_grads = torch.autograd.grad(expected.square().sum(), inputs)
+    for threshold, small in ((tokens * inter + 1, True), (tokens * inter, False)):
+        monkeypatch.setattr(
+            fused_geglu.route, "TRAINING_KERNEL_MIN_ELEMENTS", threshold
+        )
+        fused_geglu.route._ROUTES.pop(id(mlp), None)  # a route made at this threshold
+        launched = spy_launches(fused_geglu, monkeypatch)
+        got = ours()
+        grads = torch.autograd.grad(got.square().sum(), inputs)
+        assert bool(launched) != small, launched
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        for g, e in zip(grads, expected_grads):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
 # --- The whole MLP in one launch (inference, at most MLP_MAX_TOKENS tokens) -------------
 
 ONE_LAUNCH_DTYPES = [torch.float16] + ([torch.bfloat16] if HAS_GPU else [])

@@ -708,6 +708,14 @@ def _mlp_plan(M, H, I, N, dtype, device, activation: int, strides: tuple) -> tup
     key = (M, H, I, N, dtype, device, activation, strides)
     plan = _MLP_PLANS.get(key)
     if plan is None:
+        if device.type == "cuda":
+            # Eager calls of up to MLP_MAX_TOKENS rows take this one launch and never
+            # reach cuBLAS; a CUDA graph captured after them runs the down projection
+            # there (route.down_projection), and cuBLAS cannot create its handle inside
+            # a capture (this launch is never planned in one): created now, as an eager
+            # warm-up of the module's own forward would have.
+            with torch.cuda.device(device):
+                torch.cuda.current_blas_handle()
         fp8 = strides[-1] is not None
         cfg = mlp_config(H, I, dtype, device, fp8)
         constexprs = {

@@ -27,6 +27,7 @@ from .route import (
     mlp_output,
     module_route,
     project_down,
+    trains_eager,
     warn_fallback,
 )
 
@@ -83,6 +84,8 @@ class GeGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         route = module_route(self, GEMMA_MLP)
+        if trains_eager(route, x):
+            return type(self).forward(self, x)
         out = mlp_output(route, x)
         if out is not None:
             return out
@@ -112,6 +115,8 @@ class T5GeGLUDense(nn.Module):
 
     def forward(self, hidden_states):
         route = module_route(self, T5_GATED_DENSE)
+        if trains_eager(route, hidden_states):
+            return type(self).forward(self, hidden_states)
         out = mlp_output(route, hidden_states, self.dropout)
         if out is not None:
             return out
@@ -145,6 +150,8 @@ class ModernBertGeGLUMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         route = module_route(self, MODERNBERT_MLP)
+        if trains_eager(route, hidden_states):
+            return type(self).forward(self, hidden_states)
         out = mlp_output(route, hidden_states, self.drop)
         if out is not None:
             return out
@@ -178,9 +185,10 @@ class GEGLU(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states, *args, **kwargs) -> torch.Tensor:
-        route = _checked_route(
-            module_route(self, DIFFUSERS_GEGLU), self, hidden_states, DIFFUSERS_GEGLU
-        )
+        route = module_route(self, DIFFUSERS_GEGLU)
+        if trains_eager(route, hidden_states):
+            return type(self).forward(self, hidden_states, *args, **kwargs)
+        route = _checked_route(route, self, hidden_states, DIFFUSERS_GEGLU)
         if route is None:
             return type(self).forward(self, hidden_states, *args, **kwargs)
         if len(args) > 0 or kwargs.get("scale", None) is not None:

@@ -10,6 +10,9 @@ Measured on the H200 (benchmarks/NOTES.md):
   on the token count would recompile.
 - linear (``linear``, ``layers.Linear``, and no activation): in training cuBLAS, whose
   backward was faster on every measured shape; in inference our GEMM.
+- the activation in training: ours, except below TRAINING_KERNEL_MIN_ELEMENTS outputs
+  where the module's GeLU is one PyTorch op: there eager's ops (the module's own forward)
+  cost less host time than our autograd Function saves GPU time.
 - decode (at most MLP_MAX_TOKENS tokens, inference, where the dual GEMM runs), eager
   calls: the whole MLP in one launch (gemm.geglu_mlp_small), at half the host time of the
   two kernels and 2-30% more GPU time (1 to 16 tokens). In a CUDA graph or under
@@ -26,6 +29,7 @@ A layer runs our kernels only where they reproduce the module's forward. Anywher
 runs the module's own forward and warns once, naming the reason.
 """
 
+import functools
 import importlib
 import inspect
 import sys
@@ -58,6 +62,20 @@ from .gemm import (
     tma_tiles_fill_gpu,
 )
 from .launch import has_tma
+
+# Training calls with fewer activation outputs (tokens x intermediate) than this, where the
+# GeLU is one PyTorch op (``F.gelu``: eager's activation is then two ops forward and three
+# backward), run eager's ops: our autograd Function (Python) costs about 300 us more host
+# time per training step than they do, and saves about 9 ps of GPU time per output; the
+# crossover measured on the H200 lay between 19M and 38M outputs (ModernBERT base), 21M
+# and 42M (SD 1.5 GEGLU). Eager's and our activation agree bit for bit on the GPU.
+TRAINING_KERNEL_MIN_ELEMENTS = 2**25
+
+
+def eager_activation_pays(outputs: int, *tensors) -> bool:
+    """Whether a one-op GeLU's activation of ``outputs`` elements over ``tensors`` runs
+    eager's ops (TRAINING_KERNEL_MIN_ELEMENTS): a small call that autograd records."""
+    return outputs < TRAINING_KERNEL_MIN_ELEMENTS and autograd.needs_grad(*tensors)
 
 
 def fuse_projections(x: torch.Tensor, training: bool) -> bool:
@@ -145,7 +163,10 @@ def geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
         h = autograd.geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate)
     else:
         gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
-        h = autograd.geglu(gate, up, approximate, owned=True)
+        if eager_activation_pays(gate.numel(), gate, up):
+            h = autograd.geglu_formula(gate, up, approximate)
+        else:
+            h = autograd.geglu(gate, up, approximate, owned=True)
     return down_projection(h, w_down, b_down, fused)
 
 
@@ -161,6 +182,17 @@ _TANH_GELU_CLASSES = (
     "FastGELUActivation",
 )
 _EXACT_GELU_CLASSES = ("GELUActivation",)
+
+
+def _is_one_op_gelu(act_fn: nn.Module) -> bool:
+    """Whether ``act_fn`` computes its GeLU as one ``F.gelu`` call (nn.GELU, transformers'
+    GELUActivation and GELUTanh), not a formula of several ops (NewGELUActivation, ...)."""
+    if type(act_fn) is nn.GELU:
+        return True
+    act = getattr(act_fn, "act", None)
+    return act is F.gelu or (
+        isinstance(act, functools.partial) and act.func is F.gelu and not act.args
+    )
 
 
 def gelu_approximation(act_fn: nn.Module) -> str | None:
@@ -299,6 +331,10 @@ class ModuleRoute:
     fp8: tuple | None = None
     fp8_launches: dict = field(default_factory=dict)  # x's dtype -> MLPLaunch
     warned: set = field(default_factory=set)  # the reasons already warned of (eager)
+    # TRAINING_KERNEL_MIN_ELEMENTS: whether the GeLU is one PyTorch op, and (plain
+    # projections) the input size below which a training call runs the module's forward
+    one_op_gelu: bool = False
+    eager_training_inputs: int = 0
 
 
 # id(module) -> its route; an entry leaves with its module (weakref.finalize).
@@ -514,7 +550,7 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
             f"{cls.__module__}.{cls.__qualname__}.forward is not one that {family.name} "
             f"reproduces (it may do more than {family.name}'s computation)",
         )
-    approximate = "none"
+    approximate, one_op_gelu = "none", True  # no act: the forward calls F.gelu
     if family.act is not None:
         act_fn = module._modules.get(family.act)
         approximate = gelu_approximation(act_fn) if act_fn is not None else None
@@ -526,6 +562,7 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
             return ModuleRoute(
                 watched, f"its activation {family.act} carries hooks, which must fire"
             )
+        one_op_gelu = _is_one_op_gelu(act_fn)
     projections = tuple(module._modules[name] for name in family.projections)
     operands = tuple(_linear_operands(p) for p in projections)
     fusable = None
@@ -539,6 +576,11 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
             w_gate, w_up, b_gate, b_up = w[g], w[1 - g], b[g], b[1 - g]
         if w_gate.shape == w_up.shape and (b_gate is None) == (b_up is None):
             fusable = (w_gate, w_up, b_gate, b_up)
+    eager_training_inputs = 0
+    if fusable is not None and one_op_gelu and fusable[0].numel():
+        (intermediate, hidden) = fusable[0].shape
+        rows = -(-TRAINING_KERNEL_MIN_ELEMENTS // intermediate)
+        eager_training_inputs = rows * hidden
     down = module._modules[family.down] if family.down else None
     down_operands = _plain_linear_operands(down) if down is not None else None
     mlp = None
@@ -562,7 +604,7 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
     fp8 = None if fusable is not None else _fp8_operands(projections, down, family)
     return ModuleRoute(
         watched, None, approximate, projections, fusable, down, down_operands, mlp,
-        fp8=fp8,
+        fp8=fp8, one_op_gelu=one_op_gelu, eager_training_inputs=eager_training_inputs,
     )  # fmt: skip
 
 
@@ -580,6 +622,17 @@ def module_route(module: nn.Module, family: Family) -> ModuleRoute:
         if route.mlp is not None and route.mlp[0].numel() and route.mlp[2].shape[0]:
             route.mlp_launch = MLPLaunch(*route.mlp, gelu_code(route.approximate))
     return route
+
+
+def trains_eager(route: ModuleRoute, x: torch.Tensor) -> bool:
+    """Whether this call runs the module's own forward by TRAINING_KERNEL_MIN_ELEMENTS,
+    asked first (host time is this path's cost): plain projections (the route knows the
+    sizes), a one-op GeLU, a small ``x`` (of another last dim, the module's forward
+    raises its own error), autograd recording. Asked of any tensor ``x``: the module's
+    own forward is the answer for all."""
+    return x.numel() < route.eager_training_inputs and autograd.needs_grad(
+        x, *route.fusable
+    )
 
 
 def fallback_reason(route: ModuleRoute, x: torch.Tensor) -> str | None:
@@ -715,8 +768,14 @@ def geglu_projections(route: ModuleRoute, x: torch.Tensor, family: Family):
     owned = route.fusable is not None and not _GLOBAL_FORWARD_HOOKS
     if len(route.projections) == 2:
         gate, up = route.projections[0](x), route.projections[1](x)
+        if route.one_op_gelu and eager_activation_pays(gate.numel(), gate, up):
+            return autograd.geglu_formula(gate, up, route.approximate), False
         return activation(gate, up, route.approximate, owned), False
     y = route.projections[0](x)
+    if route.one_op_gelu and eager_activation_pays(y.numel() // 2, y):
+        return autograd.geglu_halves_formula(
+            y, family.gate_half, route.approximate
+        ), False
     return halves_activation(y, family.gate_half, route.approximate, owned), False
 
 

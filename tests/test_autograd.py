@@ -78,17 +78,33 @@ def test_torch_func_transforms(fused_geglu, device, name):
         )
 
 
-def test_frozen_weights_run_no_weight_gradient_gemm(fused_geglu, device, monkeypatch):
+def _backward_gemms(run) -> list[str]:
+    """The matrix products ``run`` calls (cuBLAS's aten ops: autograd.GeGLULinear's
+    backward), by the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        run()
+    names = ("aten::mm", "aten::addmm_", "aten::addmm", "aten::matmul")
+    return [e.name for e in p.events() if e.name in names]
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_frozen_weights_run_no_weight_gradient_gemm(
+    fused_geglu, device, monkeypatch, frozen
+):
     """Only the input needs a gradient (frozen projections, as in LoRA): backward runs the
-    activation's gradient and dX's two GEMMs, no weight-gradient GEMM."""
+    activation's gradient and dX's two GEMMs (the second accumulating), no weight-gradient
+    GEMM; with trainable weights, their two too."""
     x = torch.randn(8, 16, device=device, requires_grad=True)
-    wg, wu = (torch.randn(24, 16, device=device) for _ in range(2))
+    wg, wu = (
+        torch.randn(24, 16, device=device, requires_grad=not frozen) for _ in range(2)
+    )
     h = fused_geglu.geglu_linear(x, wg, wu)
     launched = spy_launches(fused_geglu, monkeypatch)
-    h.sum().backward()
-    gemms = [k for k in launched if k.startswith("gemm")]
-    assert len(gemms) == 2, launched  # dX = dGate @ Wg + dUp @ Wu
-    assert wg.grad is None and x.grad is not None
+    gemms = _backward_gemms(lambda: h.sum().backward())
+    assert launched == ["geglu_bwd_kernel"], launched
+    dx = ["aten::mm", "aten::addmm_"]
+    assert gemms == (dx if frozen else [*dx, "aten::mm", "aten::mm"]), gemms
+    assert (wg.grad is None) == frozen and x.grad is not None
 
 
 def test_hooks_on_the_activation_fire(fused_geglu, device):

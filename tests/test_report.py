@@ -234,7 +234,10 @@ def test_training_benchmark(fused_geglu, device, monkeypatch):
     )  # fmt: skip
     frozen = "Gemma-2B MLP, frozen weights"
     modules = compare.family_modules(fused_geglu, 32)
-    larger = {f"{name}, 4x the tokens": name for name in compare.LARGER_TRAINING}
+    larger = {
+        f"{name}, {factor}x the tokens": name
+        for name, factor in compare.LARGER_TRAINING.items()
+    }
     assert list(result) == [*modules, *larger, frozen]
     params = {name: len(list(m[0].parameters())) for name, m in modules.items()}
     params |= {row: params[name] for row, name in larger.items()}

@@ -164,6 +164,11 @@ class Linear(torch.autograd.Function):
 
 
 class GeGLULinear(torch.autograd.Function):
+    """The dual GEMM forward, storing gate and up for backward alone; backward writes dgate
+    and dup over them (where nothing else can read them again: an eager backward that does
+    not retain the graph) and runs cuBLAS for the GEMMs, dX's second accumulating into
+    the first (beta = 1)."""
+
     @staticmethod
     def forward(ctx, x, w_gate, w_up, b_gate, b_up, approximate):
         h, gate, up = library.geglu_linear(
@@ -180,19 +185,22 @@ class GeGLULinear(torch.autograd.Function):
         if torch.is_grad_enabled():
             inputs = (x, w_gate, w_up, b_gate, b_up, ctx.approximate)
             return _differentiable_grads(geglu_linear_formula, inputs, needs, dh)
-        need_db = b_gate is not None and (needs[3] or needs[4])
-        dx, dwg, dwu, dbg, dbu = library.geglu_linear_grad(
-            dh, x, w_gate, w_up, gate, up, ctx.approximate, needs[0], needs[1], needs[2],
-            need_db,
-        )  # fmt: skip
-        return (
-            dx if needs[0] else None,
-            dwg if needs[1] else None,
-            dwu if needs[2] else None,
-            dbg if needs[3] else None,
-            dbu if needs[4] else None,
-            None,
-        )
+        dh = dh.reshape(gate.shape)  # gate and up are [rows, intermediate]
+        if not library.dispatched(dh) and not _keeps_graph():
+            library.geglu_grad_in_place.eager(dh, gate, up, ctx.approximate)
+            dgate, dup = gate, up
+        else:
+            dgate, dup = library.geglu_grad(dh, gate, up, ctx.approximate)
+        dx = dwg = dwu = None
+        if needs[0]:  # dX = dGate @ Wg + dUp @ Wu
+            dx = torch.mm(dgate, w_gate).addmm_(dup, w_up).view(x.shape)
+        if needs[1] or needs[2]:
+            x2 = x.reshape(gate.shape[0], x.shape[-1])
+            dwg = torch.mm(dgate.t(), x2) if needs[1] else None
+            dwu = torch.mm(dup.t(), x2) if needs[2] else None
+        dbg = dgate.sum(0) if needs[3] else None
+        dbu = dup.sum(0) if needs[4] else None
+        return dx, dwg, dwu, dbg, dbu, None
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:

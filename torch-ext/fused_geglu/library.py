@@ -337,53 +337,6 @@ geglu_linear = KernelOp(
 )
 
 
-def _geglu_linear_backward(dh, x, w_gate, w_up, gate, up, approximate, need_dx, need_dw_gate, need_dw_up,
-                           need_db):  # fmt: skip
-    """(dx, dw_gate, dw_up, db_gate, db_up), None where not needed."""
-    dgate, dup = geglu_backward(as_rows(dh), gate, up, approximate)
-    dx = None
-    if need_dx:  # dX = dGate @ Wg + dUp @ Wu
-        dx = _empty(x, *x.shape)
-        dx2 = as_rows(dx)
-        gemm(dgate, w_gate.t(), dx2)
-        gemm(dup, w_up.t(), dx2, accumulate=True)
-    x2 = as_rows(x)
-    grads = []
-    for d, w, need_dw in ((dgate, w_gate, need_dw_gate), (dup, w_up, need_dw_up)):
-        dw = None
-        db32 = _empty(d, w.shape[0], dtype=torch.float32) if need_db else None
-        if need_dw:  # dW = d^T @ X, db = row sums of d^T in the same GEMM
-            dw = _empty(w, *w.shape)
-            gemm(d.t(), x2.t(), dw, bias_grad=db32)
-        elif need_db:
-            db32 = _bias_grad_alone(d)
-        grads.append((dw, None if db32 is None else db32.to(d.dtype)))
-    (dwg, dbg), (dwu, dbu) = grads
-    return dx, dwg, dwu, dbg, dbu
-
-
-def _geglu_linear_backward_fake(dh, x, w_gate, w_up, gate, up, approximate, need_dx, need_dw_gate, need_dw_up,
-                                need_db):  # fmt: skip
-    nb = w_gate.shape[0] if need_db else 0
-    return (
-        _empty(x, *x.shape) if need_dx else _empty(x, 0),
-        _empty(w_gate, *w_gate.shape) if need_dw_gate else _empty(w_gate, 0),
-        _empty(w_up, *w_up.shape) if need_dw_up else _empty(w_up, 0),
-        _empty(x, nb),
-        _empty(x, nb),
-    )
-
-
-geglu_linear_grad = KernelOp(
-    "geglu_linear_backward",
-    "(Tensor dh, Tensor x, Tensor w_gate, Tensor w_up, Tensor gate, Tensor up,"
-    " str approximate, bool need_dx, bool need_dw_gate, bool need_dw_up, bool need_db)"
-    " -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    _geglu_linear_backward,
-    _geglu_linear_backward_fake,
-)
-
-
 # --- The whole MLP in one launch (inference, few tokens) --------------------------------
 
 

@@ -2,9 +2,10 @@
 part of a GeGLU MLP, and when a layer must leave a module to its own forward.
 
 Measured on the H200 (benchmarks/NOTES.md):
-- gate/up: the dual GEMM (one kernel, gate and up never reach memory) where the TMA kernel
-  runs, for 16-bit inference; in training, or elsewhere, the projections (cuBLAS) and the
-  fused activation were faster, and lighter in training.
+- gate/up: the dual GEMM (one kernel) where the TMA kernel runs, for 16-bit operands: in
+  inference gate and up never reach memory; in training it stores them for backward,
+  which writes their gradients over them and runs cuBLAS (autograd.GeGLULinear).
+  Elsewhere the projections (cuBLAS) and the fused activation.
 - down: after the dual GEMM, our GEMM where its tiles fill the GPU (the MLP is then two
   kernels); otherwise cuBLAS, which splits K. Under torch.compile always cuBLAS: a branch
   on the token count would recompile.
@@ -32,6 +33,7 @@ runs the module's own forward and warns once, naming the reason.
 import functools
 import importlib
 import inspect
+import math
 import sys
 import types
 import warnings
@@ -78,10 +80,10 @@ def eager_activation_pays(outputs: int, *tensors) -> bool:
     return outputs < TRAINING_KERNEL_MIN_ELEMENTS and autograd.needs_grad(*tensors)
 
 
-def fuse_projections(x: torch.Tensor, training: bool) -> bool:
+def fuse_projections(x: torch.Tensor) -> bool:
     """Whether the dual GEMM computes gelu(gate) * up for ``x`` (see the module docstring);
     under autocast the projections' own forwards choose the dtype."""
-    if training or x.dtype not in (torch.float16, torch.bfloat16):
+    if x.dtype not in (torch.float16, torch.bfloat16):
         return False
     device = x.device
     return (
@@ -142,7 +144,7 @@ def geglu_mlp_fp8(x, weights: tuple, scales: tuple, biases: tuple, approximate: 
 def down_projection(h, weight, bias, fused: bool) -> torch.Tensor:
     """``h @ weight.T + bias`` by the kernel the policy picks (h is 2-D or more)."""
     if fused and not torch.compiler.is_compiling() and h.shape[-1] == weight.shape[1]:
-        m = h.numel() // h.shape[-1]
+        m = math.prod(h.shape[:-1])
         n, k = weight.shape
         if tma_applies(m, h.dtype, h.device) and tma_tiles_fill_gpu(
             m, n, k, h.dtype, h.device
@@ -154,8 +156,14 @@ def down_projection(h, weight, bias, fused: bool) -> torch.Tensor:
 def geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
     """``down(gelu(gate(x)) * up(x))`` by the policy's route (arguments already checked)."""
     training = autograd.needs_grad(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
-    fused = fuse_projections(x, training)
-    if fused and mlp_in_one_launch(x):
+    outputs = math.prod(x.shape[:-1]) * w_gate.shape[0]
+    if training and outputs < TRAINING_KERNEL_MIN_ELEMENTS:  # eager's ops
+        h = autograd.geglu_formula(
+            F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), approximate
+        )
+        return F.linear(h, w_down, b_down)
+    fused = fuse_projections(x)
+    if fused and not training and mlp_in_one_launch(x):
         return autograd.geglu_mlp_inference(
             x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate
         )
@@ -163,10 +171,7 @@ def geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
         h = autograd.geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate)
     else:
         gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
-        if eager_activation_pays(gate.numel(), gate, up):
-            h = autograd.geglu_formula(gate, up, approximate)
-        else:
-            h = autograd.geglu(gate, up, approximate, owned=True)
+        h = autograd.geglu(gate, up, approximate, owned=True)
     return down_projection(h, w_down, b_down, fused)
 
 
@@ -758,7 +763,7 @@ def geglu_projections(route: ModuleRoute, x: torch.Tensor, family: Family):
             w_gate.dtype is x.dtype
             and x.shape[-1] == w_gate.shape[1]
             and w_gate.device == x.device
-            and fuse_projections(x, autograd.needs_grad(x, w_gate, w_up, b_gate, b_up))
+            and fuse_projections(x)
         ):
             return autograd.geglu_linear(
                 x, w_gate, w_up, b_gate, b_up, route.approximate

@@ -295,7 +295,10 @@ def training(ours, device="cuda", dtype=BF16, scale=1, **timers):
     # Their rows above run eager's ops; these, our kernels.
     for name, factor in LARGER_TRAINING.items():
         module, layer, tokens, hidden = modules[name]
-        peers = {"eager": module, "ours": lambda x, m=module, l=layer: l.forward(m, x)}
+        peers = {
+            "eager": module,
+            "ours": lambda x, m=module, layer=layer: layer.forward(m, x),
+        }
         measure(f"{name}, {factor}x the tokens", peers, module, factor * tokens, hidden)
     module, layer, tokens, hidden = modules["Gemma-2B MLP"]
     module.requires_grad_(False)

@@ -192,11 +192,14 @@ def device_ms(fn, graph: bool) -> tuple[float, str]:
 
 def interleaved(fns: dict, measure: Callable, rounds: int) -> dict[str, list]:
     """``{name: [measure(fn) per round]}``, each round measuring every function once, in
-    turn: the host's drift and the first-timed penalty reach all alike (timed one after
-    the other, the first MLP training step read up to 0.23 ms slow; benchmarks/NOTES.md)."""
+    turn, every other round in reverse order: the host's drift, the first-timed penalty
+    and the GPU's state after the previous function (its clocks after a heavy one) reach
+    all alike (timed one after the other, the first MLP training step read up to 0.23 ms
+    slow; benchmarks/NOTES.md)."""
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(rounds):
+        for name, fn in order if r % 2 == 0 else reversed(order):
             times[name].append(measure(fn))
     return times
 

@@ -11,7 +11,9 @@ slower).
 """
 
 import argparse
+import functools
 import json
+import statistics
 from pathlib import Path
 
 import bench_lib as lib
@@ -126,18 +128,19 @@ SHORT_STEP_MS = 1.0
 
 
 def training_steps(
-    peers, x, params, timer=None, memory=None, gpu_timer=None, host_timer=None
+    peers, x, params, rounds=3, timer=None, memory=None, gpu_timer=None, host_timer=None
 ) -> dict:
-    """``{peer: {"ms", "rounds_ms", "gpu_ms", "peak_extra_MiB"} (+ "host_us")}`` of a
-    training step (forward, and the gradients of ``params`` by autograd.grad: none
-    accumulate) of each peer, a function of ``x``: timed in interleaved rounds (``ms``:
-    wall time between CUDA events, the host's time where the host is slower), its GPU
-    time with the host ahead (``gpu_ms``, lib.queued_gpu_ms: what the step costs where a
-    model's queue hides the host), each one's peak memory, and for short steps the host
-    time per step. ``timer``, ``memory``, ``gpu_timer`` and ``host_timer`` replace
-    lib.interleaved_ms, peak_extra_mib, lib.queued_gpu_ms and lib.host_us (a CPU smoke
-    run)."""
-    timer, memory = timer or lib.interleaved_ms, memory or peak_extra_mib
+    """``{peer: {"ms", "rounds_ms", "gpu_ms", "gpu_rounds_ms", "peak_extra_MiB"} (+
+    "host_us")}`` of a training step (forward, and the gradients of ``params`` by
+    autograd.grad: none accumulate) of each peer, a function of ``x``, in ``rounds``
+    interleaved rounds: ``ms``, wall time between CUDA events (the host's time where the
+    host is slower), and ``gpu_ms``, GPU time with the host ahead (lib.queued_gpu_ms: what
+    the step costs where a model's queue hides the host), medians; each one's peak memory;
+    for short steps the host time per step. ``timer``, ``memory``, ``gpu_timer`` and
+    ``host_timer`` replace lib.interleaved_ms, peak_extra_mib, lib.queued_gpu_ms and
+    lib.host_us (a CPU smoke run)."""
+    timer = timer or functools.partial(lib.interleaved_ms, rounds=rounds)
+    memory = memory or peak_extra_mib
     gpu_timer = gpu_timer or lib.queued_gpu_ms
     host_timer = host_timer or lib.host_us
     with torch.no_grad():  # of the output's shape: the first peer's
@@ -147,9 +150,14 @@ def training_steps(
         for name, fn in peers.items()
     }
     timed, rows = timer(steps), {}
+    gpu = lib.interleaved(steps, gpu_timer, rounds)
     for name, step in steps.items():
-        ms, rounds = timed[name]
-        rows[name] = {"ms": ms, "rounds_ms": rounds, "gpu_ms": gpu_timer(step)}
+        ms, rounds_ms = timed[name]
+        rows[name] = {"ms": ms, "rounds_ms": rounds_ms}
+        rows[name] |= {
+            "gpu_ms": statistics.median(gpu[name]),
+            "gpu_rounds_ms": gpu[name],
+        }
         rows[name]["peak_extra_MiB"] = memory(step)
     if min(row["gpu_ms"] for row in rows.values()) < SHORT_STEP_MS:
         for name, us in host_timer(steps).items():
@@ -265,13 +273,14 @@ LARGER_TRAINING = {
 }
 
 
-def training(ours, device="cuda", dtype=BF16, scale=1, **timers):
+def training(ours, device="cuda", dtype=BF16, scale=1, rounds=3, **timers):
     """Each family's feed-forward at one real model size, one training step (the input and
     every parameter trainable, dropout at p = 0 so that every peer computes the same):
     the eager module, torch.compile of it, Liger (Gemma's MLP) and our layer's forward on
     it; LARGER_TRAINING at more tokens, eager against ours; then the Gemma MLP with
     frozen projections (only the input trainable), eager against ours. ``scale``
-    divides every size; ``timers`` (training_steps' ``timer``, ``memory``,
+    divides every size; ``rounds``: each step's interleaved rounds; ``timers``
+    (training_steps' ``timer``, ``memory``,
     ``gpu_timer``, ``host_timer``) replace the GPU measures (a CPU smoke run)."""
     result = {}
 
@@ -280,7 +289,7 @@ def training(ours, device="cuda", dtype=BF16, scale=1, **timers):
         x.requires_grad_(True)
         params = [x, *(p for p in module.parameters() if p.requires_grad)]
         result[name] = {"tokens": x.shape[0], "hidden": hidden}
-        result[name] |= training_steps(peers, x, params, **timers)
+        result[name] |= training_steps(peers, x, params, rounds, **timers)
         print(name, result[name], flush=True)
 
     modules = family_modules(ours, scale)
@@ -388,8 +397,16 @@ def host(ours):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--training-rounds", type=int, default=3, help="interleaved rounds per step"
+    )
     sections = {"activation": activation, "linear": linear, "mlp": mlp}
-    sections |= {"training": lambda ours, ceil, later: training(ours)}
+    # args: parsed below, before any section runs
+    sections |= {
+        "training": lambda ours, ceil, later: training(
+            ours, rounds=args.training_rounds
+        )
+    }
     sections |= {"families": lambda ours, ceil, later: families(ours)}
     sections |= {"host": lambda ours, ceil, later: host(ours)}
     parser.add_argument("--only", nargs="*", default=list(sections), choices=sections)

@@ -1,5 +1,5 @@
 """Sweep the launch-configuration tables' candidates on this GPU (bf16) and write the times
-as JSON: the evidence behind the choices in elementwise.py (FLAT_BLOCK/FLAT_WARPS,
+as JSON: the evidence behind the choices in elementwise.py (FLAT_TILES,
 row_tile_config, also at the families' widths) and gemm.gemm_config. cuBLAS is timed in
 the same run.
 Usage: python benchmarks/tune.py --out tune.json"""
@@ -15,7 +15,7 @@ import triton
 
 
 def elementwise(act):
-    """Contiguous operands (one long row: FLAT_BLOCK, FLAT_WARPS) and strided ones (the
+    """Contiguous operands (one long row: FLAT_TILES, per kernel) and strided ones (the
     halves of one [M, 2N] tensor, row tiles: row_tile_config), 8192 x 16384. Launch plans
     are cached: each candidate starts from an empty plan cache."""
     dt = torch.bfloat16
@@ -23,16 +23,16 @@ def elementwise(act):
     x = torch.randn(8192, 2 * 16384, dtype=dt, device="cuda")
     out = torch.empty_like(g)
     result = {"copy_ms": lib.bench_ms(lambda: out.copy_(g))}
-    default = act.FLAT_BLOCK, act.FLAT_WARPS
+    default = dict(act.FLAT_TILES)
     for cfg in [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]:
-        act.FLAT_BLOCK, act.FLAT_WARPS = cfg
+        act.FLAT_TILES.update(dict.fromkeys(default, cfg))
         act._PLANS.clear()
         result[f"flat{cfg}"] = {
             "fwd_ms": lib.bench_ms(lambda: act.geglu_forward(g, u, out, "tanh")),
             "bwd_ms": lib.bench_ms(lambda: act.geglu_backward(dy, g, u, "tanh")),
         }
         print("flat", cfg, result[f"flat{cfg}"], flush=True)
-    act.FLAT_BLOCK, act.FLAT_WARPS = default
+    act.FLAT_TILES.update(default)
     default = act.row_tile_config
     for cfg in [(4, 1024, 4), (2, 2048, 4), (4, 2048, 8), (1, 4096, 8)]:
         act.row_tile_config = lambda n, e, cfg=cfg: cfg

@@ -169,12 +169,13 @@ def decode_mlp(H, I, N, dtype, bias, fp8_weights=False):
 
 
 E = gemm.Epilogue
-flat = (1, ew.FLAT_BLOCK, ew.FLAT_WARPS)
+flat_fwd = (1, *ew.FLAT_TILES[act.geglu_fwd_kernel])
+flat_bwd = (1, *ew.FLAT_TILES[act.geglu_bwd_kernel])
 CASES = {
-    "geglu forward, tanh, bf16, flat": elementwise(act.geglu_fwd_kernel, bf16, True, flat, False),
+    "geglu forward, tanh, bf16, flat": elementwise(act.geglu_fwd_kernel, bf16, True, flat_fwd, False),
     "geglu forward, exact, fp32, rows, int64": elementwise(
         act.geglu_fwd_kernel, fp32, False, ew.row_tile_config(13824, 4), True),
-    "geglu backward, tanh, bf16, flat": elementwise(act.geglu_bwd_kernel, bf16, True, flat, False),
+    "geglu backward, tanh, bf16, flat": elementwise(act.geglu_bwd_kernel, bf16, True, flat_bwd, False),
     "geglu backward, exact, fp16, rows": elementwise(
         act.geglu_bwd_kernel, fp16, False, ew.row_tile_config(512, 2), False),
     "gemm decode, gated tanh, split 4": portable_gemm(

@@ -252,11 +252,11 @@ def test_training_benchmark(fused_geglu, device, monkeypatch):
         assert n_grads == 1 + (0 if name == frozen else params[name]), name
         for peer in names:
             assert row[peer] == {
-                "ms": 1.0, "rounds_ms": [1.0], "gpu_ms": 0.5, "peak_extra_MiB": 0.0,
-                "host_us": 9.0,
+                "ms": 1.0, "rounds_ms": [1.0], "gpu_ms": 0.5,
+                "gpu_rounds_ms": [0.5] * 3, "peak_extra_MiB": 0.0, "host_us": 9.0,
             }  # fmt: skip
     steps = sum(len(names) for names, _ in trained)
-    assert len(measured) == len(gpu_timed) == steps
+    assert len(measured) == steps and len(gpu_timed) == 3 * steps  # 3 rounds
     # every step under SHORT_STEP_MS (0.5 ms here): host-timed, each section once
     assert [set(s) for s in host_timed] == [names for names, _ in trained]
 
@@ -279,8 +279,8 @@ def test_render_linear_fwd_bwd():
 
 
 def test_interleaved_ms(monkeypatch):
-    """Peers are timed in interleaved rounds (the first peer timed alone read up to
-    0.23 ms slow) and each one's median is reported."""
+    """Peers are timed in interleaved rounds, every other one in reverse order (the first
+    peer timed alone read up to 0.23 ms slow) and each one's median is reported."""
     order, fake_ms = [], {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 6.0])}
 
     def bench(fn):
@@ -289,17 +289,18 @@ def test_interleaved_ms(monkeypatch):
 
     monkeypatch.setattr(lib, "bench_ms", bench)
     timed = lib.interleaved_ms({"a": lambda: "a", "b": lambda: "b"})
-    assert order == ["a", "b"] * 3
+    assert order == ["a", "b", "b", "a", "a", "b"]
     assert timed == {"a": (2.0, [3.0, 1.0, 2.0]), "b": (5.0, [5.0, 4.0, 6.0])}
 
 
 def test_host_us_interleaves_short_loops():
     """Host time: one warm-up call each, then per round an n-call loop of each function
-    in turn; the median per call."""
+    in turn, every other round reversed; the median per call."""
     order = []
     fns = {name: (lambda name=name: order.append(name)) for name in "ab"}
     us = lib.host_us(fns, n=2, rounds=3)
-    assert order == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    ab, ba = ["a", "a", "b", "b"], ["b", "b", "a", "a"]  # every other round reversed
+    assert order == ["a", "b"] + ab + ba + ab
     assert set(us) == {"a", "b"} and all(t > 0 for t in us.values())
 
 

@@ -1,6 +1,6 @@
 """Host side of the elementwise GeGLU kernels: tile configurations and launches.
 
-Contiguous operands are processed as one long row (``FLAT_BLOCK``-element tiles); strided
+Contiguous operands are processed as one long row (``FLAT_TILES``-element tiles); strided
 ones (e.g. the halves of one ``[M, 2N]`` projection output) as row tiles through their
 strides. A launch plan is cached per (direction, variant, dtype, shapes, strides).
 """
@@ -10,10 +10,14 @@ import torch
 from .activation import geglu_bwd_kernel, geglu_fwd_kernel
 from .launch import INTERPRETED, BoundedCache, Launcher, cdiv
 
-# Contiguous operands: 1024-element tiles with 4 warps (two 16-byte vectors per thread in
-# 16-bit dtypes) stream at copy rate (benchmarks/NOTES.md). The interpreter pays per
-# program, not per element: larger tiles there.
-FLAT_BLOCK, FLAT_WARPS = (16384 if INTERPRETED else 1024), 4
+# Contiguous operands: (elements per program, warps) per kernel, at copy rate on the H200
+# (benchmarks/NOTES.md): the forward's two streams in 2048-element tiles (two 16-byte
+# vectors per thread in 16-bit dtypes; 1024 ran 2% slower), the backward's five in 1024
+# (one vector). The interpreter pays per program, not per element: larger tiles there.
+FLAT_TILES = {
+    geglu_fwd_kernel: (16384, 4) if INTERPRETED else (2048, 4),
+    geglu_bwd_kernel: (16384, 4) if INTERPRETED else (1024, 4),
+}
 
 
 def row_tile_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
@@ -80,7 +84,7 @@ def _plan(kernel, approx_tanh: bool, rows: tuple[torch.Tensor, ...], flat: bool)
         return plan
     if flat:
         M, N = 1, first.numel()
-        block_m, block_n, num_warps = 1, FLAT_BLOCK, FLAT_WARPS
+        block_m, (block_n, num_warps) = 1, FLAT_TILES[kernel]
         strides = [(0, 1)] * len(rows)
     else:
         M, N = first.shape

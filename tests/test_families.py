@@ -374,32 +374,6 @@ def test_small_training_calls_run_eager_ops(
         assert ops.names, "inference ran none of our ops"
 
 
-def test_small_training_check_reads_the_cached_route(fused_geglu, monkeypatch, device):
-    """trains_eager asks the route cached by the last call without checking it: replaced
-    projections still get the module's own forward (right whatever changed), and the next
-    call that is not a small training one re-derives the route and runs ours on the new
-    weights."""
-    build, _ = MODULES["modernbert"]
-    eager = build().to(device)
-    monkeypatch.setattr(fused_geglu.route, "TRAINING_KERNEL_MIN_ELEMENTS", 10**9)
-    ours = kernelized(copy.deepcopy(eager), device, Mode.TRAINING)
-    x = torch.randn(2, 5, 32, device=device, requires_grad=True)
-    ours(x)  # caches the route
-    cached = fused_geglu.route._ROUTES[id(ours)]
-    for m in (eager, ours):  # new weights, of the old ones' requires_grad
-        torch.manual_seed(1)
-        m.Wi = nn.Linear(32, 80, bias=True, device=device)
-    with _OpNames() as ops:
-        got = ours(x)
-    assert fused_geglu.route._ROUTES[id(ours)] is cached and not ops.names
-    torch.testing.assert_close(got, eager(x), rtol=0, atol=0)
-    with torch.no_grad(), _OpNames() as ops:
-        got = ours(x)
-    assert fused_geglu.route._ROUTES[id(ours)] is not cached
-    assert ACTIVATION_OP["modernbert"] in ops.names
-    torch.testing.assert_close(got, eager(x), rtol=1e-4, atol=1e-4)
-
-
 def test_autocast_keeps_eager_casts(device):
     """Under autocast the projections run through it (as eager), then our activation."""
     eager = gated_dense(T5DenseGatedActDense, T5Config).to(device)

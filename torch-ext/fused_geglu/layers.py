@@ -83,9 +83,9 @@ class GeGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if trains_eager(self, GEMMA_MLP, x):
-            return type(self).forward(self, x)
         route = module_route(self, GEMMA_MLP)
+        if trains_eager(route, x):
+            return type(self).forward(self, x)
         out = mlp_output(route, x)
         if out is not None:
             return out
@@ -114,9 +114,9 @@ class T5GeGLUDense(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states):
-        if trains_eager(self, T5_GATED_DENSE, hidden_states):
-            return type(self).forward(self, hidden_states)
         route = module_route(self, T5_GATED_DENSE)
+        if trains_eager(route, hidden_states):
+            return type(self).forward(self, hidden_states)
         out = mlp_output(route, hidden_states, self.dropout)
         if out is not None:
             return out
@@ -149,9 +149,9 @@ class ModernBertGeGLUMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if trains_eager(self, MODERNBERT_MLP, hidden_states):
-            return type(self).forward(self, hidden_states)
         route = module_route(self, MODERNBERT_MLP)
+        if trains_eager(route, hidden_states):
+            return type(self).forward(self, hidden_states)
         out = mlp_output(route, hidden_states, self.drop)
         if out is not None:
             return out
@@ -185,9 +185,9 @@ class GEGLU(nn.Module):
     can_torch_compile = True
 
     def forward(self, hidden_states, *args, **kwargs) -> torch.Tensor:
-        if trains_eager(self, DIFFUSERS_GEGLU, hidden_states):
-            return type(self).forward(self, hidden_states, *args, **kwargs)
         route = module_route(self, DIFFUSERS_GEGLU)
+        if trains_eager(route, hidden_states):
+            return type(self).forward(self, hidden_states, *args, **kwargs)
         route = _checked_route(route, self, hidden_states, DIFFUSERS_GEGLU)
         if route is None:
             return type(self).forward(self, hidden_states, *args, **kwargs)

@@ -629,17 +629,12 @@ def module_route(module: nn.Module, family: Family) -> ModuleRoute:
     return route
 
 
-def trains_eager(module: nn.Module, family: Family, x: torch.Tensor) -> bool:
+def trains_eager(route: ModuleRoute, x: torch.Tensor) -> bool:
     """Whether this call runs the module's own forward by TRAINING_KERNEL_MIN_ELEMENTS,
-    asked before ``module_route`` (host time is this path's cost): plain projections (the
-    route knows the sizes), a one-op GeLU, a small ``x`` (of another last dim, the
-    module's forward raises its own error), autograd recording. Asked of any tensor
-    ``x``, and of the route an earlier eager call cached, unchecked: a yes runs the
-    module's own forward, right whatever changed since; a stale no leads to
-    ``module_route``, which checks."""
-    route = None if torch.compiler.is_compiling() else _ROUTES.get(id(module))
-    if route is None:
-        route = module_route(module, family)
+    asked first (host time is this path's cost): plain projections (the route knows the
+    sizes), a one-op GeLU, a small ``x`` (of another last dim, the module's forward
+    raises its own error), autograd recording. Asked of any tensor ``x``: the module's
+    own forward is the answer for all."""
     return x.numel() < route.eager_training_inputs and autograd.needs_grad(
         x, *route.fusable
     )

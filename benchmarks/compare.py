@@ -153,12 +153,13 @@ def training_steps(
     gpu = lib.interleaved(steps, gpu_timer, rounds)
     for name, step in steps.items():
         ms, rounds_ms = timed[name]
-        rows[name] = {"ms": ms, "rounds_ms": rounds_ms}
-        rows[name] |= {
+        rows[name] = {
+            "ms": ms,
+            "rounds_ms": rounds_ms,
             "gpu_ms": statistics.median(gpu[name]),
             "gpu_rounds_ms": gpu[name],
+            "peak_extra_MiB": memory(step),
         }
-        rows[name]["peak_extra_MiB"] = memory(step)
     if min(row["gpu_ms"] for row in rows.values()) < SHORT_STEP_MS:
         for name, us in host_timer(steps).items():
             rows[name]["host_us"] = us
@@ -280,8 +281,8 @@ def training(ours, device="cuda", dtype=BF16, scale=1, rounds=3, **timers):
     it; LARGER_TRAINING at more tokens, eager against ours; then the Gemma MLP with
     frozen projections (only the input trainable), eager against ours. ``scale``
     divides every size; ``rounds``: each step's interleaved rounds; ``timers``
-    (training_steps' ``timer``, ``memory``,
-    ``gpu_timer``, ``host_timer``) replace the GPU measures (a CPU smoke run)."""
+    (training_steps' ``timer``, ``memory``, ``gpu_timer``, ``host_timer``) replace the
+    GPU measures (a CPU smoke run)."""
     result = {}
 
     def measure(name, peers, module, tokens, hidden):

@@ -583,7 +583,7 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
             fusable = (w_gate, w_up, b_gate, b_up)
     eager_training_inputs = 0
     if fusable is not None and one_op_gelu and fusable[0].numel():
-        (intermediate, hidden) = fusable[0].shape
+        intermediate, hidden = fusable[0].shape
         rows = -(-TRAINING_KERNEL_MIN_ELEMENTS // intermediate)
         eager_training_inputs = rows * hidden
     down = module._modules[family.down] if family.down else None

@@ -118,6 +118,20 @@ def scaled_mm_tflops() -> float:
     return 2 * n**3 / ms / 1e9
 
 
+def deterministic(fn):
+    """``fn`` under torch.use_deterministic_algorithms(True): our layer's kernels without
+    the one launch (its fp32 sums are atomic), as a CUDA graph runs them."""
+
+    def call(x):
+        torch.use_deterministic_algorithms(True)
+        try:
+            return fn(x)
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+    return call
+
+
 def errors(fns: dict, fp8, weights, scales, tokens: int) -> dict:
     """Each FP8 path's largest error against the float64 model (same quantization)."""
     x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -271,11 +285,7 @@ def main() -> None:
             for call in calls.values():
                 call()  # compile / autotune outside the timing
                 if graph:  # and what the capture runs (NOTES.md: a cold capture failed)
-                    torch.use_deterministic_algorithms(True)  # no one launch
-                    try:
-                        call()
-                    finally:
-                        torch.use_deterministic_algorithms(False)
+                    deterministic(lambda _, call=call: call())(None)
             times = bench_lib.interleaved(
                 calls, lambda fn: bench_lib.bench_ms(fn, graph), args.rounds
             )
@@ -290,6 +300,8 @@ def main() -> None:
         print(json.dumps({k: row[k] for k in ("tokens", "ms")}), file=sys.stderr)
     result["forward"] = rows
     fp8_fns = {n: fn for n, fn in fns.items() if n.startswith("fp8")}
+    # The kernels that CUDA graphs (decode) run in place of an eager call's one launch.
+    fp8_fns["fp8_ours_kernels"] = deterministic(fp8_fns["fp8_ours"])
     result["errors_vs_float64"] = {
         str(t): errors(fp8_fns, fp8, weights, scales, t) for t in (16, 256)
     }

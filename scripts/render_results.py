@@ -506,6 +506,11 @@ def fp8_section(path: Path, result: dict) -> list[str]:
         parts = [
             f"{t} tokens: ours {e['fp8_ours']:.4g}"
             + (
+                f" (the kernels a CUDA graph runs {e['fp8_ours_kernels']:.4g})"
+                if "fp8_ours_kernels" in e
+                else ""
+            )
+            + (
                 f", transformers {e['fp8_transformers']:.4g}"
                 if "fp8_transformers" in e
                 else ""

@@ -78,12 +78,13 @@ def fp8_scales(epi):
             "stride_bsn": 16, "stride_bsk": 1}
 
 
-def portable_gemm(M, N, K, dtype, epi, split=1):
+def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False):
+    # quant_a: an FP8 GEMM's A in bf16, quantized in the K loop
     cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, False, False, epi.fp8)
     names = [p.name for p in gk.gemm_kernel.params if not p.is_constexpr]
     c_dtype = fp8 if epi.quant_out else bf16 if epi.fp8 else dtype
     args = {n: None for n in names}
-    args |= {"a_ptr": t(64, dtype=dtype), "b_ptr": t(64, dtype=dtype),
+    args |= {"a_ptr": t(64, dtype=bf16 if quant_a else dtype), "b_ptr": t(64, dtype=dtype),
              "c_ptr": t(64, dtype=c_dtype), "M": M, "N": N, "K": K}
     args |= {n: 4096 for n in names if n.startswith("stride_")}
     args |= {"stride_ak": 1, "stride_bk": 1, "stride_cn": 1, "stride_buk": 1,
@@ -103,7 +104,11 @@ def portable_gemm(M, N, K, dtype, epi, split=1):
     if split > 1:
         args["ws_ptr"], args["counters_ptr"] = t(64, dtype=fp32), t(64, dtype=torch.int32)
     args |= fp8_scales(epi)
+    if quant_a:
+        args["a_scale_ptr"] = None
     consts = {**epi.constexprs(), **cfg.constexprs(), "SPLIT_K": split,
+              "QUANT_A": quant_a,
+              "SWAP_AB": epi.fp8 and gemm.fp8_swap_ab(M, epi.gated, quant_a),
               "EVEN_K": K % cfg.block_k == 0,
               "INPUT_PRECISION": gemm._input_precision(dtype)}
     options = {k: consts.pop(k) for k in ("num_warps", "num_stages")}
@@ -130,11 +135,15 @@ def tma_gemm(M, N, K, dtype, epi, a_t=False, b_t=False):
         "bias_ptr": t(64, dtype=dtype) if epi.has_bias else None,
         "bias_up_ptr": t(64, dtype=dtype) if epi.has_bias and epi.gated else None,
         "preact_ptr": t(64, dtype=dtype) if epi.store_preact else None,
-        "preact_up_ptr": t(64, dtype=dtype) if epi.store_preact and epi.gated else None,
+        "preact_up_ptr": None,
         "bias_grad_ptr": t(64, dtype=fp32) if epi.bias_grad else None,
         "M": M, "N": N, "K": K, "stride_bias": 1, "stride_bias_up": 1,
         **fp8_scales(epi),
     }
+    if epi.store_preact and epi.gated:  # the stored gate and up leave through TMA
+        args["preact_ptr"], args["preact_up_ptr"] = (
+            TensorDescriptor.from_tensor(t(M, N, dtype=dtype), [bm, bn]) for _ in range(2)
+        )
     consts = {**epi.constexprs(), **cfg.constexprs(), "A_T": a_t, "B_T": b_t,
               "UP_FIRST": False, "INPUT_PRECISION": gemm._input_precision(dtype)}
     options = {k: consts.pop(k) for k in ("num_warps", "num_stages")}
@@ -202,8 +211,11 @@ CASES = {
     "fp8 gemm 64 rows, gated, h quantized": portable_gemm(
         64, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
                                 quant_out=True, act_bf16=True)),
-    "fp8 gemm decode, down, split 4": portable_gemm(
-        16, 2048, 16384, fp8, E(fp8=True), split=4),
+    "fp8 gemm decode, down, swapped, split 8": portable_gemm(
+        16, 2048, 16384, fp8, E(fp8=True), split=8),
+    "fp8 gemm decode, gated, x quantized in the loop, swapped": portable_gemm(
+        1, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
+                               quant_out=True, act_bf16=True), quant_a=True),
     "fp8 tma dual gemm, h quantized, bias": tma_gemm(
         8192, 16384, 2048, fp8, E(activation=gemm.GELU, gated=True, has_bias=True,
                                   fp8=True, quant_out=True, act_bf16=True)),
@@ -237,6 +249,6 @@ def test_every_kernel_compiles_for_hopper():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 19
+    assert len(results) == 20
     failed = {name: error for name, error in results.items() if error is not None}
     assert not failed, json.dumps(failed, indent=1)

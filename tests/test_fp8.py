@@ -68,8 +68,11 @@ def check_mlp(out, x, weights, scales, biases, approximate, fused_geglu, what=""
     h_q = torch.empty(m, inter, dtype=FP8, device=x.device)
     h_s = torch.empty(-(-inter // 128), m, device=x.device)
     act = f.gemm.gelu_code(approximate)
+    # h as the paths under test form it: x quantized in the dual GEMM up to
+    # FP8_QUANT_A_ROWS rows (the one launch's products are those), apart beyond
+    a, a_s = (x, None) if m <= f.gemm.FP8_QUANT_A_ROWS else (x_q, x_s)
     f.gemm.gemm_gated_fp8(
-        x_q, x_s, wg, sg, wu, su, h_q, h_s, act, x.dtype, bias_gate=bg, bias_up=bu
+        a, a_s, wg, sg, wu, su, h_q, h_s, act, x.dtype, bias_gate=bg, bias_up=bu
     )
     cpu = lambda t: None if t is None else t.cpu()
     xd = x_q.cpu().double() * x_s.cpu().double().T.repeat_interleave(128, 1)[:, :hidden]
@@ -174,6 +177,56 @@ def test_quantize_rows_is_transformers_scheme(fused_geglu, device, dtype):
         assert torch.equal(q.float().cpu(), ref_q.float())
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 16])
+@pytest.mark.parametrize("hidden", [256, 200], ids=["even-K", "ragged-K"])
+def test_dual_gemm_quantizes_a_16_bit_x_as_quantize_fp8(
+    fused_geglu, device, tokens, hidden
+):
+    """gemm_gated_fp8 over a 16-bit x (quantized in its K loop, with the swapped e4m3
+    product) hands over the h and scales that quantize_fp8 then gemm_gated_fp8 over the
+    e4m3 x do: equal in the interpreter (the same operations). On the GPU the swapped
+    product is Hopper's e4m3 MMA (about 13 bits of running sum), the other one in f16
+    with fp32 sums: h within one e4m3 step plus what the MMA's error in gate and up
+    moves it. Past FP8_QUANT_A_ROWS rows a 16-bit x is refused."""
+    f, inter = fused_geglu.gemm, 384
+    (wg, wu, _), (sg, su, _), (bg, bu, _) = fp8_params(hidden, inter, 256, device, True)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
+    x_q = torch.empty(tokens, hidden, dtype=FP8, device=device)
+    x_s = torch.empty(-(-hidden // 128), tokens, device=device)
+    f.quantize_fp8(x, x_q, x_s)
+    outs = []
+    for a, a_scale in ((x_q, x_s), (x, None)):
+        h = torch.full((tokens, inter), float("nan"), device=device).to(FP8)
+        h_s = torch.full((3, tokens), float("nan"), device=device)
+        f.gemm_gated_fp8(a, a_scale, wg, sg, wu, su, h, h_s, f.GELU_TANH, x.dtype,
+                         bias_gate=bg, bias_up=bu)  # fmt: skip
+        outs.append((h.float().cpu(), h_s.cpu()))
+    (h1, s1), (h2, s2) = outs
+    if HAS_GPU:
+        v1, v2 = (h * s.T.repeat_interleave(128, 1) for h, s in outs)
+        scale = torch.maximum(s1, s2).T.repeat_interleave(128, 1)
+        step = e4m3_step(torch.maximum(v1.abs(), v2.abs()) / scale) * scale
+        # |d h| <= |gelu'(gate)| |up| |d gate| + |gelu(gate)| |d up|, gelu' <= 1.13
+        xd = (
+            x_q.cpu().double()
+            * x_s.cpu().double().T.repeat_interleave(128, 1)[:, :hidden]
+        )
+        w = [fp8_dequantize_weight(q.cpu(), s.cpu()) for q, s in ((wg, sg), (wu, su))]
+        (gate, up), (gate_terms, up_terms) = (
+            [xd @ wi.T + b.cpu().double() for wi, b in zip(w, (bg, bu))],
+            [xd.abs() @ wi.abs().T for wi in w],
+        )
+        mma = E4M3_MMA_ACCURACY * (
+            1.13 * up.abs() * gate_terms + gate.abs() * up_terms
+        )  # fmt: skip
+        assert ((v1 - v2).abs() <= step * (1 + 2**-7) + 2 * mma.float()).all()
+    else:
+        assert torch.equal(s1, s2) and torch.equal(h1, h2)
+    wide = torch.randn(f.FP8_QUANT_A_ROWS + 1, hidden, dtype=x.dtype, device=device)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        f.gemm_gated_fp8(wide, None, wg, sg, wu, su, h, h_s, f.GELU_TANH, x.dtype)
+
+
 @pytest.mark.parametrize(
     ("tokens", "shape"), [(1, (256, 384, 256)), (5, (200, 320, 130)), (16, (256, 384, 256)),
                           (40, (256, 384, 256)), (130, (200, 320, 130)), (130, (256, 384, 256))],
@@ -184,9 +237,10 @@ def test_quantize_rows_is_transformers_scheme(fused_geglu, device, dtype):
     ids=["bf16-bias-tanh", "fp16-exact"],
 )
 def test_geglu_mlp_fp8(fused_geglu, device, monkeypatch, tokens, shape, dtype, bias, approximate):  # fmt: skip
-    """geglu_mlp_fp8 within the rule of float64, in one launch up to 16 tokens and as three
-    kernels beyond (and at any size with deterministic algorithms: no atomics); ragged
-    sizes (H 200, I 320, N 130: partial scale blocks)."""
+    """geglu_mlp_fp8 within the rule of float64, in one launch up to 16 tokens and as two
+    or three kernels beyond (and at any size with deterministic algorithms: no atomics;
+    x quantized in the dual GEMM up to FP8_QUANT_A_ROWS tokens); ragged sizes (H 200,
+    I 320, N 130: partial scale blocks)."""
     h, i, n = shape
     weights, scales, biases = fp8_params(h, i, n, device, bias, dtype)
     x = torch.randn(tokens, h, dtype=dtype, device=device)
@@ -196,28 +250,26 @@ def test_geglu_mlp_fp8(fused_geglu, device, monkeypatch, tokens, shape, dtype, b
         approximate=approximate,
     )  # fmt: skip
     tma = tokens > 64 and h % 16 == 0 and i % 16 == 0  # TMA: rows of 16-byte multiples
-    three = [
-        "quantize_fp8_kernel",
-        "gemm_tma_kernel" if tma else "gemm_kernel",
-    ]
-    three += [three[1]]
+    quantized_apart = tokens > fused_geglu.gemm.FP8_QUANT_A_ROWS
+    kernels = ["quantize_fp8_kernel"] * quantized_apart
+    kernels += ["gemm_tma_kernel" if tma else "gemm_kernel"] * 2
     one_launch = tokens <= fused_geglu.gemm.MLP_MAX_TOKENS
-    assert launched == (["geglu_mlp_kernel"] if one_launch else three)
+    assert launched == (["geglu_mlp_kernel"] if one_launch else kernels)
     check_mlp(out, x, weights, scales, biases, approximate, fused_geglu)  # fmt: skip
     if one_launch:
         launched.clear()
         with torch.no_grad():
             torch.use_deterministic_algorithms(True)
             try:
-                three_kernels = fused_geglu.geglu_mlp_fp8(
+                kernels_out = fused_geglu.geglu_mlp_fp8(
                     x, weights[0], scales[0], weights[1], scales[1], weights[2],
                     scales[2], *biases, approximate=approximate,
                 )  # fmt: skip
             finally:
                 torch.use_deterministic_algorithms(False)
-        assert launched == ["quantize_fp8_kernel", "gemm_kernel", "gemm_kernel"]
-        check_mlp(three_kernels, x, weights, scales, biases,
-                  approximate, fused_geglu, "three kernels")  # fmt: skip
+        assert launched == ["gemm_kernel", "gemm_kernel"]  # x quantized in the first
+        check_mlp(kernels_out, x, weights, scales, biases,
+                  approximate, fused_geglu, "two kernels")  # fmt: skip
 
 
 def test_ue8m0_scales(fused_geglu, device):
@@ -338,8 +390,9 @@ def test_layer_follows_fp8_scales_swapped(fused_geglu, device):
 
 
 def test_fp8_op_compiles(fused_geglu, device):
-    """Under torch.compile(fullgraph=True) the FP8 MLP is one opaque op (three kernels at
-    any size: a branch on the token count would recompile); its result within the rule."""
+    """Under torch.compile(fullgraph=True) the FP8 MLP is one opaque op (its kernels, never
+    the one launch: a branch on the token count would recompile); its result within the
+    rule."""
     weights, scales, _ = fp8_params(128, 128, 128, device, False)
     x = torch.randn(20, 128, dtype=torch.bfloat16, device=device)
     fn = torch.compile(fused_geglu.geglu_mlp_fp8, fullgraph=True)
@@ -466,33 +519,36 @@ def test_one_launch_fp8_limits(fused_geglu, device):
 
 @pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")
 def test_fp8_mlp_in_cuda_graph(fused_geglu, device, monkeypatch):
-    """Captured in a CUDA graph, geglu_mlp_fp8 runs the three kernels, also at the token
-    counts that eager calls run in one launch; the replays give the eager call's result
-    (fp32 sums in another order: within a bf16 unit)."""
+    """Captured in a CUDA graph, geglu_mlp_fp8 runs the two kernels (x quantized in the
+    dual GEMM), also at the token counts that eager calls run in one launch; the replays
+    give what those kernels give eagerly (deterministic split-K sums: equal), and the
+    eager one launch is within the rule (its down product sums in f16 MMAs, the down
+    GEMM's in e4m3: not equal)."""
     weights, scales, biases = fp8_params(256, 384, 256, device, True)
     launched = spy_launches(fused_geglu, monkeypatch)
     for tokens in (1, fused_geglu.gemm.MLP_MAX_TOKENS):
         x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
         args = (x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2])
         with torch.no_grad():
-            expected = fused_geglu.geglu_mlp_fp8(*args, *biases).clone()
+            one_launch = fused_geglu.geglu_mlp_fp8(*args, *biases).clone()
             assert launched == ["geglu_mlp_kernel"], tokens
+            check_mlp(one_launch, x, weights, scales, biases, "tanh", fused_geglu)
             torch.use_deterministic_algorithms(True)
-            try:  # compile the three kernels before the capture
-                fused_geglu.geglu_mlp_fp8(*args, *biases)
+            try:  # the two kernels eagerly (compiled before the capture)
+                expected = fused_geglu.geglu_mlp_fp8(*args, *biases).clone()
             finally:
                 torch.use_deterministic_algorithms(False)
             launched.clear()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = fused_geglu.geglu_mlp_fp8(*args, *biases)
-        assert launched == ["quantize_fp8_kernel", "gemm_kernel", "gemm_kernel"], tokens
+        assert launched == ["gemm_kernel", "gemm_kernel"], tokens
         launched.clear()
         for _ in range(3):
             out.zero_()
             graph.replay()
             torch.cuda.synchronize()
-            torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)
+            assert torch.equal(out, expected), tokens
 
 
 # A fresh process: no kernel of the capture path has run before the warm-up.
@@ -531,6 +587,11 @@ with torch.no_grad():
         out = call(x)
     graph.replay()
     torch.cuda.synchronize()
+    if {kind!r} == "fp8":  # the captured kernels eagerly: the warm-up's one launch sums
+        torch.use_deterministic_algorithms(True)  # its down product in f16 MMAs
+        expected = call(x)
+        torch.use_deterministic_algorithms(False)
+        assert torch.equal(out, expected)
 torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)
 print("replayed")
 """
@@ -541,9 +602,10 @@ print("replayed")
 @pytest.mark.parametrize("tokens", [2, 16])
 def test_cold_capture_after_eager_warm_up(kind, tokens):
     """A capture after the usual eager warm-up, in a fresh process, at token counts whose
-    eager calls take the one launch while the capture takes the two or three kernels
-    (their first launch, inside the capture): the replay gives the eager result. A cold
-    FP8 capture at 16 tokens failed on the H200 (benchmarks/NOTES.md)."""
+    eager calls take the one launch while the capture takes the two kernels (their first
+    launch, inside the capture): the replay gives the eager result (FP8: the captured
+    kernels' eager result, equal). A cold FP8 capture at 16 tokens failed on the H200
+    (benchmarks/NOTES.md)."""
     code = _COLD_CAPTURE.format(
         tests=str(ROOT / "tests"), tree=str(ROOT / "build" / "torch-cuda"),
         tokens=tokens, kind=kind,

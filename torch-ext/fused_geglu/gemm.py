@@ -14,7 +14,8 @@ FP8 (e4m3 weights with 128 x 128 block scales, transformers' FineGrainedFP8):
   quantize_fp8(x, q, s)                  q, s = x per row and 128 columns (e4m3, scales)
   gemm_fp8(a, a_scale, b, b_scale, c)    c = (a, a_scale) @ (b, b_scale)^T + bias
   gemm_gated_fp8(a, a_scale, b_gate, gate_scale, b_up, up_scale, h, h_scale, act)
-                                         h, h_scale = quantize(round(act(gate)) * up)
+                                         h, h_scale = quantize(round(act(gate)) * up);
+                                         a 16-bit, a_scale None: a quantized in the K loop
   geglu_mlp_small(..., scales=(gate_scale, up_scale, down_scale)) with e4m3 weights
 
 ``act`` is an activation code: GELU (exact) or GELU_TANH. Rounding points are eager's
@@ -129,15 +130,27 @@ def fp8_config(M: int, gated: bool, tma: bool) -> GemmConfig:
     """FP8 GEMMs: BLOCK_K is the scale block (128); a gated GEMM's BLOCK_N too (it
     quantizes h per 128 columns), and a single one's divides it. On the H200 the TMA
     tiles hardly mattered at 8192 tokens (2.40-2.45 ms for the MLP over the sweep in
-    benchmarks/results/exploration/*-fp8-tune.json); 64-row tiles were slower."""
+    benchmarks/results/exploration/*-fp8-tune.json); 64-row tiles were slower. Decode
+    (up to 64 rows, fp8_swap_ab): the gated GEMM with 8 warps, 4 stages, the best of
+    4/8 warps and 3/4/6 stages at 1, 16 and 64 tokens
+    (exploration/2026-12-02T03-*-fp8-decode-*.json)."""
     block_n = FP8_BLOCK if gated else 64
     if INTERPRETED:
         return GemmConfig(32, block_n, FP8_BLOCK, 4, 4, 1)
     if M <= 64:
-        return GemmConfig(16 if M <= 16 else 64, block_n, FP8_BLOCK, 1, 4, 4)
+        return GemmConfig(
+            16 if M <= 16 else 64, block_n, FP8_BLOCK, 1, 8 if gated else 4, 4
+        )
     if tma:
         return GemmConfig(128, FP8_BLOCK, FP8_BLOCK, 8 if gated else 16, 8, 4)
     return GemmConfig(64, FP8_BLOCK, FP8_BLOCK, 8, 4, 3)
+
+
+def fp8_swap_ab(M: int, gated: bool, quant_a: bool) -> bool:
+    """Whether an FP8 GEMM of M <= 64 rows runs SWAP_AB (the weight tile as the MMA's rows,
+    on Hopper's e4m3 MMA whatever the tokens): the down GEMM always, the gated one where it
+    quantizes its A itself (QUANT_A); the H200 decode sweep's best (benchmarks/NOTES.md)."""
+    return M <= 64 and (quant_a or not gated)
 
 
 # Split-K: each program sums at least this many K-tiles (shorter loops barely pipeline).
@@ -264,14 +277,21 @@ def _stacked_weights(b, b_up, block_n, block_k):
     return desc, up_first
 
 
-def _tma_descriptors(a, b, b_up, z, c, cfg: GemmConfig):
-    """(descriptors for A, B, Z (None without Z), C; A_T, B_T, UP_FIRST) for the TMA kernel,
-    or None when an operand is not TMA-compatible, A and Z disagree on orientation, or the
+def _tma_descriptors(a, b, b_up, z, c, preacts, cfg: GemmConfig):
+    """(descriptors for A, B, Z (None without Z), C, the gated GEMM's stored gate and up
+    (or the pointers ``preacts`` as they are); A_T, B_T, UP_FIRST) for the TMA kernel, or
+    None when an operand is not TMA-compatible, A and Z disagree on orientation, or the
     gated GEMM's weights cannot share one descriptor."""
     ops = [_tma_operand(t) for t in (a, b, c)]
     z_op = None if z is None else _tma_operand(z)
     if None in ops or (z is not None and (z_op is None or z_op[1] != ops[0][1])):
         return None
+    c_block = [cfg.block_m, cfg.block_n]
+    if b_up is not None and preacts[0] is not None:
+        pre_ops = [_tma_operand(t) for t in preacts]
+        if None in pre_ops or pre_ops[0][1] or pre_ops[1][1]:
+            return None
+        preacts = [TensorDescriptor.from_tensor(t, c_block) for t, _ in pre_ops]
     (a_v, a_t), (b_v, b_t), (c_v, c_t) = ops
     if c_t:
         return None
@@ -287,8 +307,8 @@ def _tma_descriptors(a, b, b_up, z, c, cfg: GemmConfig):
         b_desc = TensorDescriptor.from_tensor(b_v, b_block)
     a_desc = TensorDescriptor.from_tensor(a_v, a_block)
     z_desc = None if z is None else TensorDescriptor.from_tensor(z_op[0], a_block)
-    c_desc = TensorDescriptor.from_tensor(c_v, [cfg.block_m, cfg.block_n])
-    return (a_desc, b_desc, z_desc, c_desc), a_t, b_t, up_first
+    c_desc = TensorDescriptor.from_tensor(c_v, c_block)
+    return (a_desc, b_desc, z_desc, c_desc, *preacts), a_t, b_t, up_first
 
 
 @dataclass(frozen=True)
@@ -336,10 +356,15 @@ class _Plan:
             M, N, K, dtype, epi.gated, tma, extra_tiles, epi.fp8
         )
         self.tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+        quant_a = epi.fp8 and dtype != torch.float8_e4m3fn
+        swap = epi.fp8 and not tma and fp8_swap_ab(M, epi.gated, quant_a)
         self.split = 1
         if not tma and M <= 64 and not epi.bias_grad:  # row sums are not split
             k_tiles = cdiv(K, cfg.block_k)
-            self.split = split_k(self.tiles, k_tiles, num_programs(device))
+            # The swapped down GEMM's small tiles (40 KB of shared memory at 16 rows)
+            # stream faster two per SM.
+            per_sm = 2 if swap and not epi.gated else 1
+            self.split = split_k(self.tiles, k_tiles, per_sm * num_programs(device))
         self.ws_numel = (
             self.tiles
             * self.split
@@ -355,6 +380,8 @@ class _Plan:
         if not tma:
             self.constexprs = {
                 **self.constexprs,
+                "QUANT_A": quant_a,
+                "SWAP_AB": swap,
                 "SPLIT_K": self.split,
                 "EVEN_K": K % cfg.block_k == 0,
             }
@@ -415,18 +442,25 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
     key = (M, N, K, dtype, c.dtype, device, epi, strides)
     plan = _PLANS.get(key)
     if plan is None:
-        tma = K > 0 and tma_applies(M, dtype, device)
-        plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), tma)
+        epilogue = Epilogue(*epi)
+        # an FP8 GEMM's 16-bit A, quantized in the K loop (QUANT_A), is the portable kernel's
+        quant_a = epilogue.fp8 and scales[0] is None
+        tma = K > 0 and tma_applies(M, dtype, device) and not quant_a
+        plan = _PLANS[key] = _Plan(M, N, K, dtype, device, epilogue, tma)
     if plan.tma:
         a2 = a if a.dim() == 2 else a.view(M, K)
         c2 = c if c.dim() == 2 else c.view(M, N)
-        descs = _tma_descriptors(a2, b, b_up, z, c2, plan.cfg)
+        preacts = [
+            t if t is None or t.dim() == 2 else t.view(M, N)
+            for t in (preact, preact_up)
+        ]
+        descs = _tma_descriptors(a2, b, b_up, z, c2, preacts, plan.cfg)
         if descs is not None:
-            (a_d, b_d, z_d, c_d), a_t, b_t, up_first = descs
+            (a_d, b_d, z_d, c_d, pre_d, pre_up_d), a_t, b_t, up_first = descs
             launcher = plan.tma_launcher(a_t, b_t, up_first, b_d)
             grid = min(plan.tiles, num_programs(device))
             launcher(
-                grid, a_d, b_d, z_d, c_d, bias, bias_up, preact, preact_up, bias_grad,
+                grid, a_d, b_d, z_d, c_d, bias, bias_up, pre_d, pre_up_d, bias_grad,
                 *scales, M, N, K, *strides[-4:],
             )  # fmt: skip
             return
@@ -568,6 +602,11 @@ def quantize_fp8(
     launcher(grid, x, q, s, M, K, stride_m, stride_k)
 
 
+# The most rows whose dual GEMM quantizes a 16-bit A itself (QUANT_A): one 16-row tile;
+# beyond it every row tile would quantize the same x again.
+FP8_QUANT_A_ROWS = 16
+
+
 def gemm_fp8(
     a: torch.Tensor,  # [M, K] e4m3
     a_scale: torch.Tensor,  # [cdiv(K, 128), M] fp32
@@ -584,8 +623,8 @@ def gemm_fp8(
 
 
 def gemm_gated_fp8(
-    a: torch.Tensor,  # [M, K] e4m3
-    a_scale: torch.Tensor,  # [cdiv(K, 128), M] fp32
+    a: torch.Tensor,  # [M, K] e4m3, or 16-bit (M <= FP8_QUANT_A_ROWS)
+    a_scale: torch.Tensor | None,  # [cdiv(K, 128), M] fp32; None for a 16-bit a
     b_gate: torch.Tensor,  # [N, K] e4m3
     gate_scale: torch.Tensor,  # [cdiv(N, 128), cdiv(K, 128)] fp32
     b_up: torch.Tensor,  # [N, K] e4m3
@@ -600,7 +639,13 @@ def gemm_gated_fp8(
 ) -> None:
     """h, h_scale = quantize_rows(round(act(gate)) * up) per row and 128 columns, with
     gate/up the FP8 products as gemm_fp8's, rounded to ``act_dtype``: what the down
-    projection's FP8 GEMM reads."""
+    projection's FP8 GEMM reads. A 16-bit ``a`` is quantized in the K loop as
+    quantize_fp8 would (the same q and scales): one launch fewer at decode sizes."""
+    if a_scale is None and _rows(a)[0] > FP8_QUANT_A_ROWS:
+        raise ValueError(
+            f"gemm_gated_fp8: a 16-bit a (quantized in the K loop) takes at most "
+            f"{FP8_QUANT_A_ROWS} rows, got {tuple(a.shape)}; quantize_fp8 it first"
+        )
     epi = (activation, True, False, NO_ACT, False, False, bias_gate is not None, True,
            True, act_dtype == torch.bfloat16)  # fmt: skip
     _gemm(

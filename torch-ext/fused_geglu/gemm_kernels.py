@@ -21,6 +21,11 @@ its strides, so transposes are free. Constexpr flags select the fused work:
   QUANT_OUT    (FP8, GATED, BLOCK_N = 128) h leaves as e4m3 with one scale per row and
                128 columns ([N/128, M]): the down projection's A, quantized as its own
                prologue would; ``ACT_BF16`` names h's dtype before quantization
+  QUANT_A      (FP8, portable kernel) A arrives in 16 bits and each K step quantizes its
+               tile as quantize_fp8_kernel would (``quantize_rows``): no separate launch
+  SWAP_AB      (portable kernel) each K step computes (B @ A^T), the weight tile as the
+               MMA's rows: at decode sizes the tokens are too few for Hopper's e4m3 MMA
+               (64 rows), which then runs with the weights' 64 or 128 rows instead
   SPLIT_K      (portable kernel) programs per output tile, each summing a slice of K into
                an fp32 workspace; the last to finish adds the slices in a fixed order
                (deterministic) and applies the epilogue: decode shapes with fewer output
@@ -108,10 +113,18 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _scaled_dot(a, b, acc, a_scale, b_scale, INPUT_PRECISION: tl.constexpr):
+def _scaled_dot(
+    a, b, acc, a_scale, b_scale, INPUT_PRECISION: tl.constexpr, SWAPPED: tl.constexpr
+):
     """acc + (a @ b) * a_scale[:, None] * b_scale: one e4m3 K block's fp32 product, scaled
-    by its rows' (activation) and its weight block's scales, in finegrained-fp8's order."""
-    return acc + _dot(a, b, None, INPUT_PRECISION) * a_scale[:, None] * b_scale
+    by its rows' (activation) and its weight block's scales, in finegrained-fp8's order.
+    SWAPPED: acc and the product transposed, acc + (b^T @ a^T) * a_scale[None, :] * b_scale
+    (SWAP_AB: the same products and scalings)."""
+    if SWAPPED:
+        acc = acc + _dot(b.T, a.T, None, INPUT_PRECISION) * a_scale[None, :] * b_scale
+    else:
+        acc = acc + _dot(a, b, None, INPUT_PRECISION) * a_scale[:, None] * b_scale
+    return acc
 
 
 @triton.jit
@@ -165,14 +178,19 @@ def _epilogue(
     stride_bias_up,
     preact_ptr,
     preact_up_ptr,
+    off_m,
+    off_n,
     dtype: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     ACTIVATION: tl.constexpr,
     STORE_PREACT: tl.constexpr,
+    PREACT_TMA: tl.constexpr = False,
 ):
     """Bias, activation and pre-activation stores on the fp32 accumulators; returns the
-    tile C receives (before ACCUMULATE)."""
+    tile C receives (before ACCUMULATE). ``PREACT_TMA`` (GATED): ``preact_ptr`` and
+    ``preact_up_ptr`` are TMA descriptors, written at the tile's corner (off_m, off_n)
+    asynchronously, while the next tile's main loop runs."""
     mask_n = offs_n < N
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n, other=0.0)
@@ -189,8 +207,12 @@ def _epilogue(
         gate = acc1.to(dtype)
         up = acc2.to(dtype)
         if STORE_PREACT:
-            tl.store(preact_ptr + pre_offs, gate, mask=mask)
-            tl.store(preact_up_ptr + pre_offs, up, mask=mask)
+            if PREACT_TMA:
+                preact_ptr.store([off_m, off_n], gate)
+                preact_up_ptr.store([off_m, off_n], up)
+            else:
+                tl.store(preact_ptr + pre_offs, gate, mask=mask)
+                tl.store(preact_up_ptr + pre_offs, up, mask=mask)
         return geglu_tile(
             gate.to(tl.float32), up.to(tl.float32), dtype, ACTIVATION == 2
         )
@@ -242,7 +264,7 @@ def _split_k_reduce(
 # operands vectorise.
 @triton.jit
 def gemm_kernel(
-    a_ptr,  # [M, K]
+    a_ptr,  # [M, K] (FP8: e4m3, or 16-bit with QUANT_A)
     b_ptr,  # [N, K]
     b_up_ptr,  # [N, K] (GATED)
     bias_ptr,  # [N]
@@ -254,7 +276,7 @@ def gemm_kernel(
     bias_grad_ptr,  # [M] fp32 (BIAS_GRAD)
     ws_ptr,  # fp32 [tiles, SPLIT_K, 1 or 2, BLOCK_M, BLOCK_N] (SPLIT_K > 1)
     counters_ptr,  # int32 [>= tiles], zero (SPLIT_K > 1)
-    a_scale_ptr,  # fp32 [K/128, M] (FP8)
+    a_scale_ptr,  # fp32 [K/128, M] (FP8, not QUANT_A)
     b_scale_ptr,  # fp32 [N/128, K/128] (FP8)
     b_up_scale_ptr,  # fp32, b_scale_ptr's strides (FP8 and GATED)
     c_scale_ptr,  # fp32 [N/128, M] (QUANT_OUT)
@@ -285,6 +307,8 @@ def gemm_kernel(
     FP8: tl.constexpr,
     QUANT_OUT: tl.constexpr,
     ACT_BF16: tl.constexpr,
+    QUANT_A: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -324,8 +348,12 @@ def gemm_kernel(
         z_ptrs = z_ptr + offs_m[:, None] * stride_zm + offs_k[None, :] * stride_zk
     offs_k = tl.arange(0, BLOCK_K)
 
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # the accumulators transposed until the loop ends
+        acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(k_first, k_end):
         a_mask, b_mask = _k_step_masks(mask_m, mask_n, offs_k, K - k * BLOCK_K, EVEN_K)
@@ -337,24 +365,31 @@ def gemm_kernel(
         if BIAS_GRAD and pid_n == 0:
             row_sum += tl.sum(a.to(tl.float32), axis=1)
         if FP8:
-            a_scale = tl.load(a_scale_ptr + k * M + offs_m, mask=mask_m, other=0.0)
+            if QUANT_A:
+                a, a_scale = quantize_rows(a.to(tl.float32))
+            else:
+                a_scale = tl.load(a_scale_ptr + k * M + offs_m, mask=mask_m, other=0.0)
             b_block = (pid_n * BLOCK_N // BLOCK_K) * stride_bsn + k * stride_bsk
-            acc1 = _scaled_dot(
-                a, b, acc1, a_scale, tl.load(b_scale_ptr + b_block), INPUT_PRECISION
-            )
+            b_scale = tl.load(b_scale_ptr + b_block)
+            acc1 = _scaled_dot(a, b, acc1, a_scale, b_scale, INPUT_PRECISION, SWAP_AB)
         else:
             acc1 = _dot(a, b, acc1, INPUT_PRECISION)
         if GATED:
             b_up = tl.load(b_up_ptrs, mask=b_mask, other=0.0)
             if FP8:
                 b_up_scale = tl.load(b_up_scale_ptr + b_block)
-                acc2 = _scaled_dot(a, b_up, acc2, a_scale, b_up_scale, INPUT_PRECISION)
+                acc2 = _scaled_dot(
+                    a, b_up, acc2, a_scale, b_up_scale, INPUT_PRECISION, SWAP_AB
+                )
             else:
                 acc2 = _dot(a, b_up, acc2, INPUT_PRECISION)
             b_up_ptrs += BLOCK_K * stride_buk
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    if SWAP_AB:
+        acc1 = acc1.T
+        acc2 = acc2.T
     if BIAS_GRAD and pid_n == 0:  # (SPLIT_K == 1)
         tl.store(bias_grad_ptr + offs_m, row_sum, mask=mask_m)
     if SPLIT_K > 1:
@@ -366,7 +401,8 @@ def gemm_kernel(
     if is_last:
         out = _epilogue(
             acc1, acc2, offs_m, offs_n, M, N, bias_ptr, bias_up_ptr, stride_bias,
-            stride_bias_up, preact_ptr, preact_up_ptr, dtype, HAS_BIAS, GATED, ACTIVATION, STORE_PREACT,
+            stride_bias_up, preact_ptr, preact_up_ptr, 0, 0, dtype, HAS_BIAS, GATED, ACTIVATION,
+            STORE_PREACT,
         )  # fmt: skip
         if QUANT_OUT:  # BLOCK_N = 128: this tile's columns are one scale block
             out, out_scale = quantize_rows(out.to(tl.float32))
@@ -472,7 +508,7 @@ def gemm_tma_kernel(
                     else:
                         b_scale = tl.where(first, b_scale, up_scale)
                     b_scale = b_scale[None, :]
-                acc = _scaled_dot(a, b.T, acc, a_scale, b_scale, INPUT_PRECISION)
+                acc = _scaled_dot(a, b.T, acc, a_scale, b_scale, INPUT_PRECISION, False)
             else:
                 acc = _dot(a, b.T, acc, INPUT_PRECISION)
 
@@ -490,7 +526,8 @@ def gemm_tma_kernel(
             tl.store(bias_grad_ptr + offs_m, row_sum, mask=offs_m < M)
         out = _epilogue(
             acc1, acc2, offs_m, offs_n, M, N, bias_ptr, bias_up_ptr, stride_bias,
-            stride_bias_up, preact_ptr, preact_up_ptr, dtype, HAS_BIAS, GATED, ACTIVATION, STORE_PREACT,
+            stride_bias_up, preact_ptr, preact_up_ptr, off_m, off_n, dtype, HAS_BIAS, GATED,
+            ACTIVATION, STORE_PREACT, GATED and STORE_PREACT,
         )  # fmt: skip
         if QUANT_OUT:  # BLOCK_N = 128: this tile's columns are one scale block
             out, out_scale = quantize_rows(out.to(tl.float32))
@@ -567,8 +604,14 @@ def geglu_mlp_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     g_ptrs = w_gate_ptr + offs_i[None, :] * stride_gn + offs_k[:, None] * stride_gk
     u_ptrs = w_up_ptr + offs_i[None, :] * stride_un + offs_k[:, None] * stride_uk
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+    if (
+        FP8
+    ):  # swapped products (gemm_kernel's SWAP_AB and QUANT_A: the same gate and up)
+        acc_gate = tl.zeros((BLOCK_I, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_I, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
     for k in range(tl.cdiv(H, BLOCK_K)):
         x_mask, w_mask = _k_step_masks(mask_m, mask_i, offs_k, H - k * BLOCK_K, EVEN_K)
         a = tl.load(x_ptrs, mask=x_mask, other=0.0)
@@ -579,21 +622,25 @@ def geglu_mlp_kernel(
             block = tl.program_id(0) * stride_gsn + k * stride_gsk
             acc_gate = _scaled_dot(
                 a, w_gate, acc_gate, a_scale, tl.load(gate_scale_ptr + block),
-                INPUT_PRECISION,
+                INPUT_PRECISION, True,
             )  # fmt: skip
             acc_up = _scaled_dot(
-                a, w_up, acc_up, a_scale, tl.load(up_scale_ptr + block), INPUT_PRECISION
-            )
+                a, w_up, acc_up, a_scale, tl.load(up_scale_ptr + block),
+                INPUT_PRECISION, True,
+            )  # fmt: skip
         else:
             acc_gate = _dot(a, w_gate, acc_gate, INPUT_PRECISION)
             acc_up = _dot(a, w_up, acc_up, INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_gk
         u_ptrs += BLOCK_K * stride_uk
+    if FP8:
+        acc_gate = acc_gate.T
+        acc_up = acc_up.T
     # Columns past I have zero weights and biases: h = gelu(0) * 0 = 0 there.
     h = _epilogue(
         acc_gate, acc_up, offs_m, offs_i, M, I, bias_gate_ptr, bias_up_ptr, stride_bias_gate,
-        stride_bias_up, None, None, dtype, HAS_BIAS, True, ACTIVATION, False,
+        stride_bias_up, None, None, 0, 0, dtype, HAS_BIAS, True, ACTIVATION, False,
     )  # fmt: skip
     if FP8:
         h, h_scale = quantize_rows(h.to(tl.float32))
@@ -610,7 +657,7 @@ def geglu_mlp_kernel(
             )
             part = _scaled_dot(
                 h, w_down, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_scale,
-                down_scale, INPUT_PRECISION,
+                down_scale, INPUT_PRECISION, False,
             )  # fmt: skip
         else:
             part = _dot(

@@ -23,6 +23,7 @@ from .checks import PLAIN_TENSORS
 from .elementwise import as_rows, geglu_backward, geglu_forward
 from .gemm import (
     FP8_BLOCK,
+    FP8_QUANT_A_ROWS,
     GELU_TANH,
     NO_ACT,
     geglu_mlp_small,
@@ -366,8 +367,9 @@ geglu_mlp = KernelOp(
 def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_gate,
                    b_up, b_down, approximate, one_launch):  # fmt: skip
     """The FP8 MLP (fp32 block scales; gate_scale and up_scale of one stride): in one
-    launch (``one_launch``: at most MLP_MAX_TOKENS rows), or x quantized, the dual GEMM
-    handing h over quantized, and the down GEMM."""
+    launch (``one_launch``: at most MLP_MAX_TOKENS rows), or x quantized (inside the dual
+    GEMM up to FP8_QUANT_A_ROWS rows), the dual GEMM handing h over quantized, and the
+    down GEMM."""
     out = _empty(x, *x.shape[:-1], w_down.shape[0])
     x2, act = _rows_operand(x), gelu_code(approximate)
     if one_launch:
@@ -378,9 +380,12 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
         return out
     m, hidden, i = math.prod(x.shape[:-1]), x.shape[-1], w_gate.shape[0]
     fp8 = torch.float8_e4m3fn
-    x_q = _empty(x, m, hidden, dtype=fp8)
-    x_scale = _empty(x, cdiv(hidden, FP8_BLOCK), m, dtype=torch.float32)
-    quantize_fp8(x2, x_q, x_scale)
+    if m <= FP8_QUANT_A_ROWS:  # the dual GEMM quantizes x in its K loop
+        x_q, x_scale = x2, None
+    else:
+        x_q = _empty(x, m, hidden, dtype=fp8)
+        x_scale = _empty(x, cdiv(hidden, FP8_BLOCK), m, dtype=torch.float32)
+        quantize_fp8(x2, x_q, x_scale)
     h = _empty(x, m, i, dtype=fp8)
     h_scale = _empty(x, cdiv(i, FP8_BLOCK), m, dtype=torch.float32)
     gemm_gated_fp8(

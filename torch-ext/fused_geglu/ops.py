@@ -142,8 +142,9 @@ def geglu_mlp_fp8(
     ``weight * scale`` per 128 x 128 block. x ([..., H], bfloat16 or float16) is quantized
     per token and 128 columns (scale = amax / 448) and so is h = round(gelu(gate)) * up;
     each projection's output is in x's dtype, its bias added in the epilogue. In eager
-    calls of up to 16 tokens the whole MLP is one kernel; beyond, and in CUDA graphs,
-    three (x's quantization, the dual GEMM quantizing h in its epilogue, the down GEMM).
+    calls of up to 16 tokens the whole MLP is one kernel; beyond, and in CUDA graphs, the
+    dual GEMM quantizing h in its epilogue and the down GEMM, after x's quantization
+    beyond 16 tokens (up to 16 the dual GEMM quantizes x itself).
     Not differentiable: an x that requires grad raises.
     """
     check_approximate("geglu_mlp_fp8", approximate)

@@ -22,8 +22,9 @@ Measured on the H200 (benchmarks/NOTES.md):
   atomic.
 - FP8 (transformers' ``FP8Linear`` projections: e4m3 weights, 128 x 128 block scales,
   dynamic activations; inference): as decode above, eager calls the whole MLP in one
-  launch (in a CUDA graph the three kernels took 6-27% less GPU time at 1 to 16 tokens);
-  else x quantized, the dual GEMM handing h to the down GEMM quantized (three kernels).
+  launch (in a CUDA graph the two kernels took 17-38% less GPU time at 1 to 16 tokens);
+  else the dual GEMM handing h to the down GEMM quantized, x quantized in the dual GEMM
+  up to 16 tokens (two kernels), by a kernel of its own beyond (three).
   In training an FP8 projection runs its own forward.
 
 A layer runs our kernels only where they reproduce the module's forward. Anywhere else it

@@ -426,18 +426,11 @@ def e2e_section(path: Path, result: dict, brief: bool = False) -> list[str]:
 
 
 # The decode rows README.md shows (docs/results.md: all).
-README_DECODE_TOKENS = ("1", "4", "16")
-
-
-def decode_section(path: Path, result: dict, brief: bool = False) -> list[str]:
+def decode_section(path: Path, result: dict) -> list[str]:
     """The decode MLP's GPU time in one kernel (eager calls) and in two (CUDA graphs,
-    torch.compile), from tune.py's decode sweep: the configuration the table uses.
-    ``brief`` (README): 1, 4 and 16 tokens."""
+    torch.compile), from tune.py's decode sweep: the configuration the table uses."""
     decode = result["decode_mlp"]
-    if brief:
-        decode = {t: row for t, row in decode.items() if t in README_DECODE_TOKENS}
-    # (the README's FP8 figures come from the newest fp8.json: fp8_section)
-    fp8 = not brief and all("fp8_one_kernel" in row for row in decode.values())
+    fp8 = all("fp8_one_kernel" in row for row in decode.values())
     rows = []
     for tokens, row in decode.items():
         cells = [
@@ -473,9 +466,25 @@ FP8_PATHS = {
 }
 
 
-def fp8_section(path: Path, result: dict) -> list[str]:
-    """The FP8 MLP against transformers' FP8 path and the bf16 MLPs, forward GPU ms."""
+README_FP8_TOKENS = (1, 16, 64, 8192)
+
+
+def fp8_section(path: Path, result: dict, brief: bool = False) -> list[str]:
+    """The FP8 MLP against transformers' FP8 path and the bf16 MLPs, forward GPU ms;
+    ``brief`` (README): the table of its speeds alone."""
     ceilings, rows = result["ceilings"], result["forward"]
+    if brief:
+        names = [n for n in FP8_PATHS if n in rows[0]["ms"]]
+        lines = paragraph(
+            f"FP8 Gemma-2B MLP (`FineGrainedFP8Config`), forward GPU ms, graph replay up "
+            f"to 64 tokens (`{path.relative_to(ROOT)}`):"
+        )
+        cells = [
+            [str(r["tokens"]), *(ms(r["ms"][n]) for n in names)]
+            for r in rows
+            if r["tokens"] in README_FP8_TOKENS
+        ]
+        return lines + table(["tokens", *(FP8_PATHS[n] for n in names)], cells) + [""]
     floor_ms = ceilings["fp8_weight_bytes"] / ceilings["copy_TBps"] / 1e9
     lines = paragraph(
         f"Gemma-2B MLP with `FineGrainedFP8Config` projections (e4m3, 128 x 128 blocks, "
@@ -539,10 +548,8 @@ def render_summary() -> str:
     """README.md's text between the markers."""
     compare = max(RESULTS.glob("*-compare.json"))
     lines = summary_section(compare, load(compare))
-    if path := newest("tune-decode"):
-        lines += decode_section(path, load(path), brief=True)
     if path := newest("fp8"):
-        lines += fp8_section(path, load(path))
+        lines += fp8_section(path, load(path), brief=True)
     if path := newest("e2e"):
         lines += e2e_section(path, load(path), brief=True)
     return "\n".join(lines) + "\n"

@@ -468,21 +468,16 @@ def test_results_check_command():
 
 
 def test_summary_numbers_come_from_json():
-    """The README's summary quotes the families, decode and end-to-end rows of the
-    committed JSON."""
+    """The README's summary quotes the families, FP8 and end-to-end rows of the committed
+    JSON."""
     summary = render.render_summary()
     families = json.loads(render.newest("families").read_text())["families"]
     for name, row in families.items():
         assert f"| {name} |" in summary and render.ms(row["ours_ms"]) in summary
-    decode = json.loads(render.newest("tune-decode").read_text())["decode_mlp"]
-    for tokens, row in decode.items():
-        if tokens not in render.README_DECODE_TOKENS:
+    for row in json.loads(render.newest("fp8").read_text())["forward"]:
+        if row["tokens"] not in render.README_FP8_TOKENS:
             continue
-        cells = (
-            tokens,
-            render.ms(row[render.DECODE_CONFIG]),
-            render.ms(row["two_kernels"]),
-        )
+        cells = (str(row["tokens"]), *(render.ms(v) for v in row["ms"].values()))
         assert f"| {' | '.join(cells)} |" in summary
     for row in json.loads(render.newest("e2e").read_text())["rows"]:
         assert (

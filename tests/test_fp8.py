@@ -225,6 +225,14 @@ def test_dual_gemm_quantizes_a_16_bit_x_as_quantize_fp8(
     wide = torch.randn(f.FP8_QUANT_A_ROWS + 1, hidden, dtype=x.dtype, device=device)
     with pytest.raises(ValueError, match="at most 16 rows"):
         f.gemm_gated_fp8(wide, None, wg, sg, wu, su, h, h_s, f.GELU_TANH, x.dtype)
+    # A and its scales must agree: e4m3 with them, 16-bit without (the dual GEMM only)
+    for a, a_scale in ((x, x_s), (x_q, None)):
+        with pytest.raises(ValueError, match="float8_e4m3fn with its scales"):
+            f.gemm_gated_fp8(a, a_scale, wg, sg, wu, su, h, h_s, f.GELU_TANH, x.dtype)
+    out = torch.empty(tokens, inter, dtype=x.dtype, device=device)
+    for a, a_scale in ((x, None), (x, x_s), (x_q, None)):
+        with pytest.raises(ValueError, match="float8_e4m3fn with its scales"):
+            f.gemm_fp8(a, a_scale, wg, sg, out)
 
 
 @pytest.mark.parametrize(

@@ -123,6 +123,43 @@ def test_tma_and_portable_paths(fused_geglu, device, monkeypatch, aligned):
         assert launched[2] == "gemm_kernel"
 
 
+def test_dual_gemm_stored_gate_and_up(fused_geglu, device, monkeypatch):
+    """The training dual GEMM's stored gate and up: through TMA stores where TMA runs and
+    they are 16-byte aligned; a misaligned (contiguous) one sends the call to the portable
+    kernel, which stores them too: F.linear's products within the rule either way (equal
+    in the interpreter, where the two kernels' tiles are the same). A non-contiguous one
+    is refused."""
+    gemm, dtype = fused_geglu.gemm, torch.float16
+    launched = spy_launches(fused_geglu, monkeypatch)
+    x = torch.randn(130, 72, dtype=dtype, device=device)
+    w_gate, w_up = (
+        torch.randn(136, 72, dtype=dtype, device=device) / 72**0.5 for _ in "gu"
+    )
+    stored = []
+    for offset in (0, 1):  # a base offset of 2 bytes: not TMA-compatible
+        gate, up = (
+            poisoned((130 * 136 + 1,), dtype, device)[offset:][: 130 * 136].view(
+                130, 136
+            )
+            for _ in "gu"
+        )
+        h = poisoned((130, 136), dtype, device)
+        gemm.gemm_gated(x, w_gate, w_up, h, gemm.GELU_TANH, gate=gate, up=up)
+        stored.append((h, gate, up))
+    tma = not HAS_GPU or torch.cuda.get_device_capability()[0] in (9, 10)
+    assert launched == ["gemm_tma_kernel" if tma else "gemm_kernel", "gemm_kernel"]
+    for h, gate, up in stored:
+        for got, w in ((gate, w_gate), (up, w_up)):
+            assert_close_to_ref(got, x.double() @ w.double().T, F.linear(x, w))
+    (h0, g0, u0), (h1, g1, u1) = stored
+    if not HAS_GPU:
+        assert torch.equal(g0, g1) and torch.equal(u0, u1) and torch.equal(h0, h1)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        gemm.gemm_gated(
+            x, w_gate, w_up, h, gemm.GELU_TANH, gate=g0.T.contiguous().T, up=u0
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "mnk",

@@ -308,3 +308,28 @@ def check_geglu_mlp_fp8(op: str, x, weights: dict, scales: dict, biases: dict) -
             f"{op}: inference only; x or a bias requires grad (call it under "
             f"torch.no_grad() or torch.inference_mode()) ({describe(tensors)})"
         )
+
+
+def check_fp8_gemm_a(op: str, a: torch.Tensor, a_scale, max_16_bit_rows: int) -> None:
+    """An FP8 GEMM's A (gemm.py): e4m3 with its scales, or 16-bit without them (quantized
+    in the K loop) for at most ``max_16_bit_rows`` rows (0: never)."""
+    e4m3 = a.dtype == torch.float8_e4m3fn
+    rows = a.numel() // max(a.shape[-1], 1)
+    if e4m3 != (a_scale is not None) or (not e4m3 and rows > max_16_bit_rows):
+        allowed = (
+            f", or 16-bit without them for at most {max_16_bit_rows} rows"
+            if max_16_bit_rows
+            else ""
+        )
+        raise ValueError(
+            f"{op}: a must be torch.float8_e4m3fn with its scales{allowed}; got a of "
+            f"shape {tuple(a.shape)}, {a.dtype}, {a.device}, "
+            + ("without a_scale" if a_scale is None else "with an a_scale")
+        )
+
+
+def check_contiguous(op: str, **tensors: torch.Tensor | None) -> None:
+    """Outputs the GEMM kernels write as contiguous rows (the stored pre-activations)."""
+    bad = {n: t for n, t in tensors.items() if t is not None and not t.is_contiguous()}
+    if bad:
+        raise ValueError(f"{op}: these outputs must be contiguous ({describe(bad)})")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .checks import check_contiguous, check_fp8_gemm_a
 from .gemm_kernels import (
     FP8_BLOCK,
     geglu_mlp_kernel,
@@ -444,7 +445,7 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
     if plan is None:
         epilogue = Epilogue(*epi)
         # an FP8 GEMM's 16-bit A, quantized in the K loop (QUANT_A), is the portable kernel's
-        quant_a = epilogue.fp8 and scales[0] is None
+        quant_a = epilogue.fp8 and dtype != torch.float8_e4m3fn
         tma = K > 0 and tma_applies(M, dtype, device) and not quant_a
         plan = _PLANS[key] = _Plan(M, N, K, dtype, device, epilogue, tma)
     if plan.tma:
@@ -514,6 +515,7 @@ def gemm_act(
     preact: torch.Tensor | None = None,  # [M, N] contiguous
 ) -> None:
     """c = act(a @ b^T + bias); ``preact`` receives the rounded a @ b^T + bias."""
+    check_contiguous("gemm_act", preact=preact)
     epi = (
         activation,
         False,
@@ -555,6 +557,7 @@ def gemm_gated(
 ) -> None:
     """c = round(act(gate)) * up with gate = a @ b_gate^T + bias_gate, up = a @ b_up^T +
     bias_up (each rounded); ``gate``/``up`` receive them (what backward needs)."""
+    check_contiguous("gemm_gated", gate=gate, up=up)
     epi = (
         activation,
         True,
@@ -602,8 +605,9 @@ def quantize_fp8(
     launcher(grid, x, q, s, M, K, stride_m, stride_k)
 
 
-# The most rows whose dual GEMM quantizes a 16-bit A itself (QUANT_A): one 16-row tile;
-# beyond it every row tile would quantize the same x again.
+# The most rows whose dual GEMM quantizes a 16-bit A itself (QUANT_A, swapped products):
+# at 64 tokens the unswapped dual GEMM over x quantized apart ran faster on the H200 (25.9
+# against 29.2-29.9 us with x quantized in its loop; benchmarks/NOTES.md).
 FP8_QUANT_A_ROWS = 16
 
 
@@ -618,6 +622,7 @@ def gemm_fp8(
 ) -> None:
     """c = (a * a_scale) @ (b * b_scale)^T + bias, each scale over its 128-wide blocks;
     the fp32 product of each K block is scaled as it is added."""
+    check_fp8_gemm_a("gemm_fp8", a, a_scale, max_16_bit_rows=0)
     epi = (NO_ACT, False, False, NO_ACT, False, False, bias is not None, True)
     _gemm(a, b, c, epi, bias=bias, scales=(a_scale, b_scale, None, None))
 
@@ -641,11 +646,7 @@ def gemm_gated_fp8(
     gate/up the FP8 products as gemm_fp8's, rounded to ``act_dtype``: what the down
     projection's FP8 GEMM reads. A 16-bit ``a`` is quantized in the K loop as
     quantize_fp8 would (the same q and scales): one launch fewer at decode sizes."""
-    if a_scale is None and _rows(a)[0] > FP8_QUANT_A_ROWS:
-        raise ValueError(
-            f"gemm_gated_fp8: a 16-bit a (quantized in the K loop) takes at most "
-            f"{FP8_QUANT_A_ROWS} rows, got {tuple(a.shape)}; quantize_fp8 it first"
-        )
+    check_fp8_gemm_a("gemm_gated_fp8", a, a_scale, max_16_bit_rows=FP8_QUANT_A_ROWS)
     epi = (activation, True, False, NO_ACT, False, False, bias_gate is not None, True,
            True, act_dtype == torch.bfloat16)  # fmt: skip
     _gemm(

@@ -604,9 +604,8 @@ def geglu_mlp_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     g_ptrs = w_gate_ptr + offs_i[None, :] * stride_gn + offs_k[:, None] * stride_gk
     u_ptrs = w_up_ptr + offs_i[None, :] * stride_un + offs_k[:, None] * stride_uk
-    if (
-        FP8
-    ):  # swapped products (gemm_kernel's SWAP_AB and QUANT_A: the same gate and up)
+    # FP8: swapped products (gemm_kernel's SWAP_AB and QUANT_A: the same gate and up)
+    if FP8:
         acc_gate = tl.zeros((BLOCK_I, BLOCK_M), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_I, BLOCK_M), dtype=tl.float32)
     else:

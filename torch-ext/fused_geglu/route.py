@@ -108,8 +108,8 @@ def linear(x, weight, bias, activation: int) -> torch.Tensor:
 def mlp_in_one_launch(x: torch.Tensor) -> bool:
     """Whether one launch computes the MLP of ``x`` where the dual GEMM (16-bit) or the FP8
     kernels would run (see the module docstring): an eager call (not compiled, not
-    captured in a CUDA graph: there no host time is spent per call, and the two or three
-    kernels take less GPU time), few tokens, atomics allowed."""
+    captured in a CUDA graph: there no host time is spent per call, and the two kernels
+    take less GPU time), few tokens, atomics allowed."""
     return not torch.compiler.is_compiling() and _one_launch_fits(x)
 
 

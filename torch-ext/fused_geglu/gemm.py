@@ -288,8 +288,8 @@ def _tma_descriptors(a, b, b_up, z, c, preacts, cfg: GemmConfig):
     if None in ops or (z is not None and (z_op is None or z_op[1] != ops[0][1])):
         return None
     c_block = [cfg.block_m, cfg.block_n]
-    if b_up is not None and preacts[0] is not None:
-        pre_ops = [_tma_operand(t) for t in preacts]
+    if b_up is not None and preacts[0] is not None:  # contiguous, of C's size
+        pre_ops = [_tma_operand(t.view(c.shape)) for t in preacts]
         if None in pre_ops or pre_ops[0][1] or pre_ops[1][1]:
             return None
         preacts = [TensorDescriptor.from_tensor(t, c_block) for t, _ in pre_ops]
@@ -326,6 +326,7 @@ class Epilogue:
     fp8: bool = False
     quant_out: bool = False
     act_bf16: bool = False  # quant_out: h's dtype before quantization
+    quant_a: bool = False  # fp8: a 16-bit A, quantized in the K loop (_Plan's QUANT_A)
 
     def constexprs(self) -> dict:
         return {
@@ -357,8 +358,7 @@ class _Plan:
             M, N, K, dtype, epi.gated, tma, extra_tiles, epi.fp8
         )
         self.tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-        quant_a = epi.fp8 and dtype != torch.float8_e4m3fn
-        swap = epi.fp8 and not tma and fp8_swap_ab(M, epi.gated, quant_a)
+        swap = epi.fp8 and not tma and fp8_swap_ab(M, epi.gated, epi.quant_a)
         self.split = 1
         if not tma and M <= 64 and not epi.bias_grad:  # row sums are not split
             k_tiles = cdiv(K, cfg.block_k)
@@ -381,7 +381,7 @@ class _Plan:
         if not tma:
             self.constexprs = {
                 **self.constexprs,
-                "QUANT_A": quant_a,
+                "QUANT_A": epi.quant_a,
                 "SWAP_AB": swap,
                 "SPLIT_K": self.split,
                 "EVEN_K": K % cfg.block_k == 0,
@@ -445,17 +445,12 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
     if plan is None:
         epilogue = Epilogue(*epi)
         # an FP8 GEMM's 16-bit A, quantized in the K loop (QUANT_A), is the portable kernel's
-        quant_a = epilogue.fp8 and dtype != torch.float8_e4m3fn
-        tma = K > 0 and tma_applies(M, dtype, device) and not quant_a
+        tma = K > 0 and tma_applies(M, dtype, device) and not epilogue.quant_a
         plan = _PLANS[key] = _Plan(M, N, K, dtype, device, epilogue, tma)
     if plan.tma:
         a2 = a if a.dim() == 2 else a.view(M, K)
         c2 = c if c.dim() == 2 else c.view(M, N)
-        preacts = [
-            t if t is None or t.dim() == 2 else t.view(M, N)
-            for t in (preact, preact_up)
-        ]
-        descs = _tma_descriptors(a2, b, b_up, z, c2, preacts, plan.cfg)
+        descs = _tma_descriptors(a2, b, b_up, z, c2, (preact, preact_up), plan.cfg)
         if descs is not None:
             (a_d, b_d, z_d, c_d, pre_d, pre_up_d), a_t, b_t, up_first = descs
             launcher = plan.tma_launcher(a_t, b_t, up_first, b_d)
@@ -515,7 +510,8 @@ def gemm_act(
     preact: torch.Tensor | None = None,  # [M, N] contiguous
 ) -> None:
     """c = act(a @ b^T + bias); ``preact`` receives the rounded a @ b^T + bias."""
-    check_contiguous("gemm_act", preact=preact)
+    if preact is not None:
+        check_contiguous("gemm_act", preact=preact)
     epi = (
         activation,
         False,
@@ -557,7 +553,8 @@ def gemm_gated(
 ) -> None:
     """c = round(act(gate)) * up with gate = a @ b_gate^T + bias_gate, up = a @ b_up^T +
     bias_up (each rounded); ``gate``/``up`` receive them (what backward needs)."""
-    check_contiguous("gemm_gated", gate=gate, up=up)
+    if gate is not None or up is not None:
+        check_contiguous("gemm_gated", gate=gate, up=up)
     epi = (
         activation,
         True,
@@ -648,7 +645,7 @@ def gemm_gated_fp8(
     quantize_fp8 would (the same q and scales): one launch fewer at decode sizes."""
     check_fp8_gemm_a("gemm_gated_fp8", a, a_scale, max_16_bit_rows=FP8_QUANT_A_ROWS)
     epi = (activation, True, False, NO_ACT, False, False, bias_gate is not None, True,
-           True, act_dtype == torch.bfloat16)  # fmt: skip
+           True, act_dtype == torch.bfloat16, a_scale is None)  # fmt: skip
     _gemm(
         a, b_gate, h, epi, b_up=b_up, bias=bias_gate, bias_up=bias_up,
         scales=(a_scale, gate_scale, up_scale, h_scale),

@@ -75,7 +75,7 @@ def fp8_scales(epi):
             "b_scale_ptr": t(64, dtype=fp32) if epi.fp8 else None,
             "b_up_scale_ptr": t(64, dtype=fp32) if epi.fp8 and epi.gated else None,
             "c_scale_ptr": t(64, dtype=fp32) if epi.quant_out else None,
-            "stride_bsn": 16, "stride_bsk": 1}
+            "stride_bsn": 16, "stride_bsk": 1, "stride_cs": 64 if epi.quant_out else None}
 
 
 def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False):

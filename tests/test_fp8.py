@@ -237,7 +237,8 @@ def test_dual_gemm_quantizes_a_16_bit_x_as_quantize_fp8(
 
 @pytest.mark.parametrize(
     ("tokens", "shape"), [(1, (256, 384, 256)), (5, (200, 320, 130)), (16, (256, 384, 256)),
-                          (40, (256, 384, 256)), (130, (200, 320, 130)), (130, (256, 384, 256))],
+                          (40, (256, 384, 256)), (100, (256, 384, 256)),
+                          (130, (200, 320, 130)), (130, (256, 384, 256))],
 )  # fmt: skip
 @pytest.mark.parametrize(
     ("dtype", "bias", "approximate"),
@@ -260,7 +261,11 @@ def test_geglu_mlp_fp8(fused_geglu, device, monkeypatch, tokens, shape, dtype, b
     tma = tokens > 64 and h % 16 == 0 and i % 16 == 0  # TMA: rows of 16-byte multiples
     quantized_apart = tokens > fused_geglu.gemm.FP8_QUANT_A_ROWS
     kernels = ["quantize_fp8_kernel"] * quantized_apart
-    kernels += ["gemm_tma_kernel" if tma else "gemm_kernel"] * 2
+    kernels.append("gemm_tma_kernel" if tma else "gemm_kernel")
+    # the down GEMM: swapped products (the portable kernel) up to FP8_SWAP_ROWS tokens;
+    # none of these shapes reaches cuBLAS (its K, 320 or 384, is not a multiple of 512)
+    swapped = tokens <= fused_geglu.gemm.FP8_SWAP_ROWS
+    kernels.append("gemm_tma_kernel" if tma and not swapped else "gemm_kernel")
     one_launch = tokens <= fused_geglu.gemm.MLP_MAX_TOKENS
     assert launched == (["geglu_mlp_kernel"] if one_launch else kernels)
     check_mlp(out, x, weights, scales, biases, approximate, fused_geglu)  # fmt: skip
@@ -278,6 +283,119 @@ def test_geglu_mlp_fp8(fused_geglu, device, monkeypatch, tokens, shape, dtype, b
         assert launched == ["gemm_kernel", "gemm_kernel"]  # x quantized in the first
         check_mlp(kernels_out, x, weights, scales, biases,
                   approximate, fused_geglu, "two kernels")  # fmt: skip
+
+
+def _cublas_stand_in(fused_geglu, monkeypatch, calls):
+    """On the CPU, cuBLAS's block-scaled GEMM replaced by its definition (float64 products
+    of the dequantized operands, rounded to the output dtype), checking the operands it is
+    handed as cuBLAS would; on the GPU, the real one, its operands recorded."""
+    gemm = fused_geglu.gemm
+    real = fused_geglu.library.gemm_fp8_cublas
+
+    def stand_in(a, a_scale, b, b_scale, dtype):
+        rows, k = a.shape
+        assert rows % gemm.FP8_CUBLAS_ROWS == 0 and a_scale.is_contiguous()
+        assert a_scale.shape == (-(-k // 128), rows) and b_scale.is_contiguous()
+        calls.append(rows)
+        if HAS_GPU:
+            return real(a, a_scale, b, b_scale, dtype)
+        a64 = a.double() * a_scale.double().T.repeat_interleave(128, 1)[:, :k]
+        return (a64 @ fp8_dequantize_weight(b, b_scale).T).to(dtype)
+
+    monkeypatch.setattr(fused_geglu.library, "gemm_fp8_cublas", stand_in)
+    if not HAS_GPU:
+        monkeypatch.setattr(gemm, "has_cublas_fp8_blocks", lambda device: True)
+
+
+@pytest.mark.parametrize("past", [1, 4], ids=["3-padding-rows", "unpadded"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_down_gemm_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
+    """From FP8_CUBLAS_MIN_ROWS tokens the down GEMM is cuBLAS's block-scaled GEMM where it
+    applies (on the H200; on the CPU a stand-in, from 128 rows): h's rows padded to a
+    multiple of 4 (3 padding rows, whose products are discarded), h's scales written with
+    the padded stride by the dual GEMM; within the rule of float64; three kernels."""
+    h, i, n = 256, 512, 256  # K = 512: cuBLAS's weight scales want 4 K blocks
+    weights, scales, biases = fp8_params(h, i, n, device, False, dtype)
+    calls = []
+    _cublas_stand_in(fused_geglu, monkeypatch, calls)
+    if HAS_GPU and not fused_geglu.launch.has_cublas_fp8_blocks(torch.device(device)):
+        pytest.skip(
+            "cuBLAS's block-scaled FP8 GEMM is measured and taken on Hopper only"
+        )
+    if not HAS_GPU:  # the interpreter's dual GEMM at 2048 rows would take minutes
+        monkeypatch.setattr(fused_geglu.gemm, "FP8_CUBLAS_MIN_ROWS", 128)
+    tokens = fused_geglu.gemm.FP8_CUBLAS_MIN_ROWS - 1 + past
+    assert fused_geglu.gemm.fp8_cublas_applies(
+        tokens, weights[2], scales[2], None, dtype
+    )
+    x = torch.randn(tokens, h, dtype=dtype, device=device)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    out = fused_geglu.geglu_mlp_fp8(
+        x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2]
+    )
+    assert calls == [-(-tokens // 4) * 4]
+    assert launched == ["quantize_fp8_kernel", "gemm_tma_kernel"]
+    assert out.shape == (tokens, n) and out.is_contiguous()
+    check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu)
+    if HAS_GPU:  # the whole forward: x's quantization, the dual GEMM, cuBLAS's GEMM
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]
+        ) as p:
+            fused_geglu.geglu_mlp_fp8(
+                x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2]
+            )
+            torch.cuda.synchronize()
+        gpu = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [e.name for e in gpu if "memset" not in e.name.lower()]
+        assert len(kernels) == 3, kernels
+
+
+def test_fp8_cublas_applies(fused_geglu, device, monkeypatch):
+    """cuBLAS takes the FP8 down GEMM only where it reproduces ours: from
+    FP8_CUBLAS_MIN_ROWS rows, no bias, a 16-bit output, N a multiple of 128, K of 512,
+    contiguous weight scales."""
+    gemm = fused_geglu.gemm
+    monkeypatch.setattr(gemm, "has_cublas_fp8_blocks", lambda device: True)
+    w = torch.zeros(256, 1024, dtype=FP8, device=device)
+    s = torch.ones(2, 8, device=device)
+    rows = gemm.FP8_CUBLAS_MIN_ROWS
+    applies = lambda m=rows, w=w, s=s, bias=None, dtype=torch.bfloat16: (
+        gemm.fp8_cublas_applies(m, w, s, bias, dtype)
+    )
+    assert applies() and applies(dtype=torch.float16)
+    assert not applies(m=rows - 1)
+    assert not applies(bias=torch.zeros(256, device=device))
+    assert not applies(dtype=torch.float32)
+    assert not applies(w=w[:, :640], s=s[:, :5].contiguous())  # K = 640
+    assert not applies(w=w[:200], s=s)  # N = 200
+    assert not applies(s=torch.ones(8, 2, device=device).T)  # transposed scales
+    monkeypatch.setattr(gemm, "has_cublas_fp8_blocks", lambda device: False)
+    assert not applies()
+
+
+@pytest.mark.parametrize("m", [40, 70], ids=["portable", "tma"])
+def test_dual_gemm_writes_padded_h_scales(fused_geglu, device, m):
+    """h's scales into the leading columns of a wider buffer (the rows cuBLAS pads) equal
+    those of a buffer of M columns; a column stride other than 1 is refused."""
+    weights, scales, _ = fp8_params(256, 256, 128, device, False)
+    gemm = fused_geglu.gemm
+    x = torch.randn(m, 256, dtype=torch.bfloat16, device=device)
+    x_q = torch.empty(m, 256, dtype=FP8, device=device)
+    x_s = torch.empty(2, m, device=device)
+    gemm.quantize_fp8(x, x_q, x_s)
+    outs = []
+    for cols in (m, m + 2):
+        h = torch.empty(m, 256, dtype=FP8, device=device)
+        h_s = torch.full((2, cols), float("nan"), device=device)
+        gemm.gemm_gated_fp8(x_q, x_s, weights[0], scales[0], weights[1], scales[1],
+                            h, h_s[:, :m], gemm.GELU_TANH, torch.bfloat16)  # fmt: skip
+        assert h_s[:, m:].isnan().all()
+        outs.append((h.view(torch.uint8), h_s[:, :m]))
+    assert torch.equal(*(o[0] for o in outs)) and torch.equal(*(o[1] for o in outs))
+    with pytest.raises(ValueError, match="h_scale must be"):
+        gemm.gemm_gated_fp8(x_q, x_s, weights[0], scales[0], weights[1], scales[1], h,
+                            torch.empty(m, 2, device=device).T, gemm.GELU_TANH,
+                            torch.bfloat16)  # fmt: skip
 
 
 def test_ue8m0_scales(fused_geglu, device):

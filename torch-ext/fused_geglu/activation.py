@@ -216,15 +216,10 @@ def geglu_bwd_kernel(
         pid_m, pid_n, M, N, stride_dum, stride_dun, BLOCK_M, BLOCK_N, INT64
     )
     dtype = dgate_ptr.dtype.element_ty
-    dout = tl.load(dout_ptr + offs_d, mask=mask, eviction_policy="evict_first").to(
-        tl.float32
-    )
-    gate = tl.load(gate_ptr + offs_g, mask=mask, eviction_policy="evict_first").to(
-        tl.float32
-    )
-    up = tl.load(up_ptr + offs_u, mask=mask, eviction_policy="evict_first").to(
-        tl.float32
-    )
+    # No eviction hints: evict_first on these loads measured 3.5% slower (NOTES.md).
+    dout = tl.load(dout_ptr + offs_d, mask=mask).to(tl.float32)
+    gate = tl.load(gate_ptr + offs_g, mask=mask).to(tl.float32)
+    up = tl.load(up_ptr + offs_u, mask=mask).to(tl.float32)
     # Recompute gelu(gate) instead of saving it: one read of gate serves both grads.
     act = gelu(gate, APPROX_TANH).to(dtype).to(tl.float32)
     dup = dout * act

@@ -328,6 +328,17 @@ def check_fp8_gemm_a(op: str, a: torch.Tensor, a_scale, max_16_bit_rows: int) ->
         )
 
 
+def check_fp8_scale_out(op: str, scale: torch.Tensor, rows: int) -> None:
+    """Block scales an FP8 GEMM writes ([blocks, rows] fp32): unit column stride, its rows
+    at least ``rows`` apart (a padded buffer's leading columns are fine)."""
+    if scale.dim() != 2 or scale.stride(1) != 1 or scale.stride(0) < rows:
+        raise ValueError(
+            f"{op}: h_scale must be [cdiv(N, 128), M] with unit column stride and rows at "
+            f"least M = {rows} apart; got shape {tuple(scale.shape)}, strides "
+            f"{scale.stride()}"
+        )
+
+
 def check_contiguous(op: str, **tensors: torch.Tensor | None) -> None:
     """Outputs the GEMM kernels write as contiguous rows (the stored pre-activations)."""
     bad = {n: t for n, t in tensors.items() if t is not None and not t.is_contiguous()}

@@ -17,6 +17,8 @@ FP8 (e4m3 weights with 128 x 128 block scales, transformers' FineGrainedFP8):
                                          h, h_scale = quantize(round(act(gate)) * up);
                                          a 16-bit, a_scale None: a quantized in the K loop
   geglu_mlp_small(..., scales=(gate_scale, up_scale, down_scale)) with e4m3 weights
+  gemm_fp8_cublas(a, a_scale, b, b_scale, dtype)
+                                         gemm_fp8's product by cuBLAS (fp8_cublas_applies)
 
 ``act`` is an activation code: GELU (exact) or GELU_TANH. Rounding points are eager's
 (gemm_kernels.py). Configurations are chosen in ``gemm_config`` from the shape class; a
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .checks import check_contiguous, check_fp8_gemm_a
+from .checks import check_contiguous, check_fp8_gemm_a, check_fp8_scale_out
 from .gemm_kernels import (
     FP8_BLOCK,
     geglu_mlp_kernel,
@@ -43,6 +45,7 @@ from .launch import (
     Launcher,
     cdiv,
     current_device_and_stream,
+    has_cublas_fp8_blocks,
     has_tma,
     num_programs,
 )
@@ -138,20 +141,27 @@ def fp8_config(M: int, gated: bool, tma: bool) -> GemmConfig:
     block_n = FP8_BLOCK if gated else 64
     if INTERPRETED:
         return GemmConfig(32, block_n, FP8_BLOCK, 4, 4, 1)
-    if M <= 64:
-        return GemmConfig(
-            16 if M <= 16 else 64, block_n, FP8_BLOCK, 1, 8 if gated else 4, 4
-        )
+    if M <= 64 or fp8_swap_ab(M, gated, False):
+        rows = 16 if M <= 16 else 64 if M <= 128 else 128  # tokens per tile
+        return GemmConfig(rows, block_n, FP8_BLOCK, 1, 8 if gated else 4, 4)
     if tma:
         return GemmConfig(128, FP8_BLOCK, FP8_BLOCK, 8 if gated else 16, 8, 4)
     return GemmConfig(64, FP8_BLOCK, FP8_BLOCK, 8, 4, 3)
 
 
+# The most rows of a single (down) FP8 GEMM with swapped products, split-K: the TMA
+# kernel's 128 x 128 tiles leave most SMs idle on Gemma-2B's 2048 outputs (on the H200 77-87
+# us from 72 to 512 rows, against 25 us swapped at up to 128 rows, 44 at 256 and 68 at 512;
+# at 768 rows the TMA kernel's 89 against 93; benchmarks/NOTES.md).
+FP8_SWAP_ROWS = 512
+
+
 def fp8_swap_ab(M: int, gated: bool, quant_a: bool) -> bool:
-    """Whether an FP8 GEMM of M <= 64 rows runs SWAP_AB (the weight tile as the MMA's rows,
-    on Hopper's e4m3 MMA whatever the tokens): the down GEMM always, the gated one where it
-    quantizes its A itself (QUANT_A); the H200 decode sweep's best (benchmarks/NOTES.md)."""
-    return M <= 64 and (quant_a or not gated)
+    """Whether an FP8 GEMM runs SWAP_AB on the portable kernel (the weight tile as the MMA's
+    rows, on Hopper's e4m3 MMA whatever the tokens): the single (down) GEMM up to
+    FP8_SWAP_ROWS rows, the gated one where it quantizes its A itself (QUANT_A, at most
+    FP8_QUANT_A_ROWS rows); the H200 sweeps' best (benchmarks/NOTES.md)."""
+    return quant_a or (not gated and M <= FP8_SWAP_ROWS)
 
 
 # Split-K: each program sums at least this many K-tiles (shorter loops barely pipeline).
@@ -360,7 +370,7 @@ class _Plan:
         self.tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
         swap = epi.fp8 and not tma and fp8_swap_ab(M, epi.gated, epi.quant_a)
         self.split = 1
-        if not tma and M <= 64 and not epi.bias_grad:  # row sums are not split
+        if not tma and (M <= 64 or swap) and not epi.bias_grad:  # row sums: not split
             k_tiles = cdiv(K, cfg.block_k)
             # The swapped down GEMM's small tiles (40 KB of shared memory at 16 rows)
             # stream faster two per SM.
@@ -437,6 +447,7 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         None if bias is None else bias.stride(0),
         None if bias_up is None else bias_up.stride(0),
         *(none2 if scales[1] is None else scales[1].stride()),
+        None if scales[3] is None else scales[3].stride(0),
     )  # fmt: skip
     # c's dtype too: an FP8 GEMM's differs from a's (e4m3), and a launcher's kernel is
     # compiled for one output dtype
@@ -444,8 +455,12 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
     plan = _PLANS.get(key)
     if plan is None:
         epilogue = Epilogue(*epi)
-        # an FP8 GEMM's 16-bit A, quantized in the K loop (QUANT_A), is the portable kernel's
-        tma = K > 0 and tma_applies(M, dtype, device) and not epilogue.quant_a
+        # swapped FP8 products (QUANT_A's among them) are the portable kernel's
+        tma = (
+            K > 0
+            and tma_applies(M, dtype, device)
+            and not (epilogue.fp8 and fp8_swap_ab(M, epilogue.gated, epilogue.quant_a))
+        )
         plan = _PLANS[key] = _Plan(M, N, K, dtype, device, epilogue, tma)
     if plan.tma:
         a2 = a if a.dim() == 2 else a.view(M, K)
@@ -457,7 +472,7 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
             grid = min(plan.tiles, num_programs(device))
             launcher(
                 grid, a_d, b_d, z_d, c_d, bias, bias_up, pre_d, pre_up_d, bias_grad,
-                *scales, M, N, K, *strides[-4:],
+                *scales, M, N, K, *strides[-5:],
             )  # fmt: skip
             return
         # Hopper, but an operand TMA cannot describe: the portable kernel's plan.
@@ -632,7 +647,7 @@ def gemm_gated_fp8(
     b_up: torch.Tensor,  # [N, K] e4m3
     up_scale: torch.Tensor,  # gate_scale's shape and strides
     h: torch.Tensor,  # [M, N] e4m3, contiguous
-    h_scale: torch.Tensor,  # [cdiv(N, 128), M] fp32
+    h_scale: torch.Tensor,  # [cdiv(N, 128), M] fp32, rows at least M apart
     activation: int,
     act_dtype: torch.dtype,  # the 16-bit dtype gate, up and h are rounded in
     *,
@@ -644,12 +659,58 @@ def gemm_gated_fp8(
     projection's FP8 GEMM reads. A 16-bit ``a`` is quantized in the K loop as
     quantize_fp8 would (the same q and scales): one launch fewer at decode sizes."""
     check_fp8_gemm_a("gemm_gated_fp8", a, a_scale, max_16_bit_rows=FP8_QUANT_A_ROWS)
+    check_fp8_scale_out("gemm_gated_fp8", h_scale, _rows(a)[0])
     epi = (activation, True, False, NO_ACT, False, False, bias_gate is not None, True,
            True, act_dtype == torch.bfloat16, a_scale is None)  # fmt: skip
     _gemm(
         a, b_gate, h, epi, b_up=b_up, bias=bias_gate, bias_up=bias_up,
         scales=(a_scale, gate_scale, up_scale, h_scale),
     )  # fmt: skip
+
+
+# cuBLAS's 1 x 128 activation scales ([K/128, rows] seen transposed) must keep each K
+# block's column 16-byte aligned: 65 rows were refused, padded strides too (torch's check).
+FP8_CUBLAS_ROWS = 4
+# The fewest rows whose FP8 GEMM cuBLAS computes: below, the host time its call adds to an
+# eager MLP outweighed the GPU time it saved (on the H200 at 1024 tokens the MLP's host
+# time rose from 356 to 487 us against GPU times of 318 and 286; benchmarks/NOTES.md).
+FP8_CUBLAS_MIN_ROWS = 2048
+
+
+def fp8_cublas_applies(
+    M: int, b: torch.Tensor, b_scale: torch.Tensor, bias, dtype: torch.dtype
+) -> bool:
+    """Whether cuBLAS computes an FP8 GEMM of M rows (``gemm_fp8_cublas``, its A's rows
+    padded to a multiple of FP8_CUBLAS_ROWS): from FP8_CUBLAS_MIN_ROWS rows where it runs
+    (has_cublas_fp8_blocks), 1.5x faster than our TMA kernel at 2048 to 8192 rows of
+    Gemma-2B's down projection on the H200 (its K blocks' scaling overlaps the MMAs, where
+    ours waits for each; benchmarks/NOTES.md). Without a bias, a 16-bit output, N a
+    multiple of 128 and K of 512 (cuBLAS wants the weight scales' K blocks a multiple of
+    4), contiguous weight scales."""
+    N, K = b.shape
+    return (
+        M >= FP8_CUBLAS_MIN_ROWS
+        and bias is None
+        and dtype in (torch.bfloat16, torch.float16)
+        and N % FP8_BLOCK == 0
+        and K % (4 * FP8_BLOCK) == 0
+        and b_scale.is_contiguous()
+        and has_cublas_fp8_blocks(b.device)
+    )
+
+
+def gemm_fp8_cublas(
+    a: torch.Tensor,  # [M, K] e4m3, M a multiple of FP8_CUBLAS_ROWS
+    a_scale: torch.Tensor,  # [cdiv(K, 128), M] fp32, contiguous
+    b: torch.Tensor,  # [N, K] e4m3
+    b_scale: torch.Tensor,  # [N/128, K/128] fp32, contiguous
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """gemm_fp8's (a * a_scale) @ (b * b_scale)^T by cuBLAS's block-scaled GEMM, the scales
+    in our layouts seen transposed (no copies), into a new [M, N] tensor of ``dtype``.
+    torch._scaled_mm reads the block-wise scaling from the scales' shapes; its result
+    equals F.scaled_mm's (BlockWise1x128, BlockWise128x128) at a fifth less host time."""
+    return torch._scaled_mm(a, b.T, a_scale.T, b_scale.T, out_dtype=dtype)
 
 
 # --- The whole MLP in one launch (decode) ------------------------------------------------

@@ -279,7 +279,7 @@ def gemm_kernel(
     a_scale_ptr,  # fp32 [K/128, M] (FP8, not QUANT_A)
     b_scale_ptr,  # fp32 [N/128, K/128] (FP8)
     b_up_scale_ptr,  # fp32, b_scale_ptr's strides (FP8 and GATED)
-    c_scale_ptr,  # fp32 [N/128, M] (QUANT_OUT)
+    c_scale_ptr,  # fp32 [N/128, M] (QUANT_OUT), rows stride_cs apart
     M,
     N,
     K,
@@ -297,6 +297,7 @@ def gemm_kernel(
     stride_bias_up,
     stride_bsn,
     stride_bsk,
+    stride_cs,  # c_scale's block stride (QUANT_OUT; at least M)
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -406,7 +407,7 @@ def gemm_kernel(
         )  # fmt: skip
         if QUANT_OUT:  # BLOCK_N = 128: this tile's columns are one scale block
             out, out_scale = quantize_rows(out.to(tl.float32))
-            tl.store(c_scale_ptr + pid_n * M + offs_m, out_scale, mask=mask_m)
+            tl.store(c_scale_ptr + pid_n * stride_cs + offs_m, out_scale, mask=mask_m)
         mask = mask_m[:, None] & mask_n[None, :]
         c_offs = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
         if ACCUMULATE:
@@ -445,6 +446,7 @@ def gemm_tma_kernel(
     stride_bias_up,
     stride_bsn,
     stride_bsk,
+    stride_cs,  # c_scale's block stride (QUANT_OUT; at least M)
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
     ACTIVATION: tl.constexpr,
@@ -531,7 +533,9 @@ def gemm_tma_kernel(
         )  # fmt: skip
         if QUANT_OUT:  # BLOCK_N = 128: this tile's columns are one scale block
             out, out_scale = quantize_rows(out.to(tl.float32))
-            tl.store(c_scale_ptr + pid_n * M + offs_m, out_scale, mask=offs_m < M)
+            tl.store(
+                c_scale_ptr + pid_n * stride_cs + offs_m, out_scale, mask=offs_m < M
+            )
         if ACCUMULATE:
             out = out.to(tl.float32) + c_desc.load([off_m, off_n]).to(tl.float32)
         c_desc.store([off_m, off_n], out.to(c_dtype))

@@ -96,6 +96,7 @@ def cdiv(a: int, b: int) -> int:
 # policy that reads them, and Dynamo warns on lru_cache-wrapped calls).
 _SM_COUNT: dict[torch.device, int] = {}
 _HAS_TMA: dict[torch.device, bool] = {}
+_HAS_CUBLAS_FP8_BLOCKS: dict[torch.device, bool] = {}
 
 
 def num_programs(device: torch.device) -> int:
@@ -127,6 +128,26 @@ def has_tma(device: torch.device) -> bool:
             )
         _HAS_TMA[device] = tma
     return tma
+
+
+def has_cublas_fp8_blocks(device: torch.device) -> bool:
+    """Whether torch's ``F.scaled_mm`` runs cuBLAS's GEMM with 1 x 128 and 128 x 128 block
+    scales here: a Hopper GPU (compute capability 9.0, the one measured) and a torch
+    that has the block-wise scaling types."""
+    blocks = _HAS_CUBLAS_FP8_BLOCKS.get(device)
+    if blocks is None:
+        blocks = (
+            not INTERPRETED
+            and device.type == "cuda"
+            and torch.version.hip is None
+            and hasattr(torch.nn.functional, "scaled_mm")
+            and hasattr(
+                getattr(torch.nn.functional, "ScalingType", None), "BlockWise1x128"
+            )
+            and torch.cuda.get_device_capability(device) == (9, 0)
+        )
+        _HAS_CUBLAS_FP8_BLOCKS[device] = blocks
+    return blocks
 
 
 class BoundedCache(dict):

@@ -23,15 +23,18 @@ from .checks import PLAIN_TENSORS
 from .elementwise import as_rows, geglu_backward, geglu_forward
 from .gemm import (
     FP8_BLOCK,
+    FP8_CUBLAS_ROWS,
     FP8_QUANT_A_ROWS,
     GELU_TANH,
     NO_ACT,
+    fp8_cublas_applies,
     geglu_mlp_small,
     gelu_code,
     gemm,
     gemm_act,
     gemm_dact,
     gemm_fp8,
+    gemm_fp8_cublas,
     gemm_gated,
     gemm_gated_fp8,
     quantize_fp8,
@@ -369,16 +372,18 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
     """The FP8 MLP (fp32 block scales; gate_scale and up_scale of one stride): in one
     launch (``one_launch``: at most MLP_MAX_TOKENS rows), or x quantized (inside the dual
     GEMM up to FP8_QUANT_A_ROWS rows), the dual GEMM handing h over quantized, and the
-    down GEMM."""
-    out = _empty(x, *x.shape[:-1], w_down.shape[0])
+    down GEMM (cuBLAS's where fp8_cublas_applies: h's rows then padded to a multiple of
+    FP8_CUBLAS_ROWS, the padding's products discarded)."""
+    m, hidden, i = math.prod(x.shape[:-1]), x.shape[-1], w_gate.shape[0]
+    n = w_down.shape[0]
     x2, act = _rows_operand(x), gelu_code(approximate)
     if one_launch:
+        out = _empty(x, *x.shape[:-1], n)
         geglu_mlp_small(
             x2, w_gate, w_up, w_down, out, act, bias_gate=b_gate, bias_up=b_up,
             bias_down=b_down, scales=(gate_scale, up_scale, down_scale),
         )  # fmt: skip
         return out
-    m, hidden, i = math.prod(x.shape[:-1]), x.shape[-1], w_gate.shape[0]
     fp8 = torch.float8_e4m3fn
     if m <= FP8_QUANT_A_ROWS:  # the dual GEMM quantizes x in its K loop
         x_q, x_scale = x2, None
@@ -386,12 +391,18 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
         x_q = _empty(x, m, hidden, dtype=fp8)
         x_scale = _empty(x, cdiv(hidden, FP8_BLOCK), m, dtype=torch.float32)
         quantize_fp8(x2, x_q, x_scale)
-    h = _empty(x, m, i, dtype=fp8)
-    h_scale = _empty(x, cdiv(i, FP8_BLOCK), m, dtype=torch.float32)
+    cublas = fp8_cublas_applies(m, w_down, down_scale, b_down, x.dtype)
+    rows = cdiv(m, FP8_CUBLAS_ROWS) * FP8_CUBLAS_ROWS if cublas else m
+    h = _empty(x, rows, i, dtype=fp8)
+    h_scale = _empty(x, cdiv(i, FP8_BLOCK), rows, dtype=torch.float32)
     gemm_gated_fp8(
-        x_q, x_scale, w_gate, gate_scale, w_up, up_scale, h, h_scale, act, x.dtype,
-        bias_gate=b_gate, bias_up=b_up,
+        x_q, x_scale, w_gate, gate_scale, w_up, up_scale, h[:m], h_scale[:, :m], act,
+        x.dtype, bias_gate=b_gate, bias_up=b_up,
     )  # fmt: skip
+    if cublas:
+        out = gemm_fp8_cublas(h, h_scale, w_down, down_scale, x.dtype)
+        return out[:m].view(*x.shape[:-1], n)
+    out = _empty(x, *x.shape[:-1], n)
     gemm_fp8(h, h_scale, w_down, down_scale, out, bias=b_down)
     return out
 

@@ -238,7 +238,8 @@ def test_dual_gemm_quantizes_a_16_bit_x_as_quantize_fp8(
 @pytest.mark.parametrize(
     ("tokens", "shape"), [(1, (256, 384, 256)), (5, (200, 320, 130)), (16, (256, 384, 256)),
                           (40, (256, 384, 256)), (100, (256, 384, 256)),
-                          (130, (200, 320, 130)), (130, (256, 384, 256))],
+                          (130, (200, 320, 130)), (130, (256, 384, 256)),
+                          (600, (256, 384, 256))],
 )  # fmt: skip
 @pytest.mark.parametrize(
     ("dtype", "bias", "approximate"),
@@ -262,9 +263,12 @@ def test_geglu_mlp_fp8(fused_geglu, device, monkeypatch, tokens, shape, dtype, b
     quantized_apart = tokens > fused_geglu.gemm.FP8_QUANT_A_ROWS
     kernels = ["quantize_fp8_kernel"] * quantized_apart
     kernels.append("gemm_tma_kernel" if tma else "gemm_kernel")
-    # the down GEMM: swapped products (the portable kernel) up to FP8_SWAP_ROWS tokens;
-    # none of these shapes reaches cuBLAS (its K, 320 or 384, is not a multiple of 512)
-    swapped = tokens <= fused_geglu.gemm.FP8_SWAP_ROWS
+    # the down GEMM: swapped products (the portable kernel) up to 64 tokens, and up to
+    # FP8_SWAP_ROWS where the TMA kernel's tiles are fewer than the programs (one per SM;
+    # 4 in the interpreter: 130 tokens take the TMA kernel there); none of these shapes
+    # reaches cuBLAS (its K, 320 or 384, is not a multiple of 512)
+    programs = fused_geglu.launch.num_programs(torch.device(device))
+    swapped = fused_geglu.gemm.fp8_swap_ab(tokens, n, False, False, programs)
     kernels.append("gemm_tma_kernel" if tma and not swapped else "gemm_kernel")
     one_launch = tokens <= fused_geglu.gemm.MLP_MAX_TOKENS
     assert launched == (["geglu_mlp_kernel"] if one_launch else kernels)
@@ -307,7 +311,7 @@ def _cublas_stand_in(fused_geglu, monkeypatch, calls):
         monkeypatch.setattr(gemm, "has_cublas_fp8_blocks", lambda device: True)
 
 
-@pytest.mark.parametrize("past", [1, 4], ids=["3-padding-rows", "unpadded"])
+@pytest.mark.parametrize("past", [1, 2], ids=["unpadded", "3-padding-rows"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_down_gemm_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
     """From FP8_CUBLAS_MIN_ROWS tokens the down GEMM is cuBLAS's block-scaled GEMM where it
@@ -353,7 +357,7 @@ def test_down_gemm_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
 def test_fp8_cublas_applies(fused_geglu, device, monkeypatch):
     """cuBLAS takes the FP8 down GEMM only where it reproduces ours: from
     FP8_CUBLAS_MIN_ROWS rows, no bias, a 16-bit output, N a multiple of 128, K of 512,
-    contiguous weight scales."""
+    row-major weights, contiguous weight scales."""
     gemm = fused_geglu.gemm
     monkeypatch.setattr(gemm, "has_cublas_fp8_blocks", lambda device: True)
     w = torch.zeros(256, 1024, dtype=FP8, device=device)
@@ -369,6 +373,9 @@ def test_fp8_cublas_applies(fused_geglu, device, monkeypatch):
     assert not applies(w=w[:, :640], s=s[:, :5].contiguous())  # K = 640
     assert not applies(w=w[:200], s=s)  # N = 200
     assert not applies(s=torch.ones(8, 2, device=device).T)  # transposed scales
+    assert not applies(
+        w=torch.zeros(1024, 256, dtype=FP8, device=device).T
+    )  # column-major
     monkeypatch.setattr(gemm, "has_cublas_fp8_blocks", lambda device: False)
     assert not applies()
 
@@ -395,6 +402,10 @@ def test_dual_gemm_writes_padded_h_scales(fused_geglu, device, m):
     with pytest.raises(ValueError, match="h_scale must be"):
         gemm.gemm_gated_fp8(x_q, x_s, weights[0], scales[0], weights[1], scales[1], h,
                             torch.empty(m, 2, device=device).T, gemm.GELU_TANH,
+                            torch.bfloat16)  # fmt: skip
+    with pytest.raises(ValueError, match="h_scale must be"):  # fewer columns than rows
+        gemm.gemm_gated_fp8(x_q, x_s, weights[0], scales[0], weights[1], scales[1], h,
+                            torch.empty(2, m - 1, device=device), gemm.GELU_TANH,
                             torch.bfloat16)  # fmt: skip
 
 

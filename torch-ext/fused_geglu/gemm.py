@@ -87,6 +87,7 @@ def gemm_config(
     tma: bool,
     extra_tiles: bool,
     fp8: bool = False,
+    swap: bool = False,
 ) -> GemmConfig:
     """Launch configuration by shape class (the one place it is chosen), from the H200 sweep
     in benchmarks/results/*-tune.json (Gemma-2B shapes, bf16).
@@ -102,10 +103,10 @@ def gemm_config(
     pre-activation): 128x128 tiles, chosen to fit 3 stages in 227 KB, not swept.
     Portable: 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages
     (gated). fp32 operands halve BLOCK_K to fit shared memory.
-    FP8: ``fp8_config``.
+    FP8: ``fp8_config`` (``swap``: fp8_swap_ab's decision).
     """
     if fp8:
-        return fp8_config(M, gated, tma)
+        return fp8_config(M, gated, tma, swap)
     if INTERPRETED:
         return GemmConfig(32, 64, 32, 4, 4, 1)
     wide = dtype != torch.float32
@@ -130,18 +131,20 @@ def gemm_config(
     )
 
 
-def fp8_config(M: int, gated: bool, tma: bool) -> GemmConfig:
+def fp8_config(M: int, gated: bool, tma: bool, swap: bool) -> GemmConfig:
     """FP8 GEMMs: BLOCK_K is the scale block (128); a gated GEMM's BLOCK_N too (it
     quantizes h per 128 columns), and a single one's divides it. On the H200 the TMA
     tiles hardly mattered at 8192 tokens (2.40-2.45 ms for the MLP over the sweep in
     benchmarks/results/exploration/*-fp8-tune.json); 64-row tiles were slower. Decode
-    (up to 64 rows, fp8_swap_ab): the gated GEMM with 8 warps, 4 stages, the best of
-    4/8 warps and 3/4/6 stages at 1, 16 and 64 tokens
-    (exploration/2026-12-02T03-*-fp8-decode-*.json)."""
+    (up to 64 rows) and the swapped single GEMM (``swap``, up to FP8_SWAP_ROWS): the
+    gated GEMM with 8 warps, 4 stages, the best of 4/8 warps and 3/4/6 stages at 1, 16
+    and 64 tokens (exploration/2026-12-02T03-*-fp8-decode-*.json); the single one's
+    tokens in tiles of 16 up to 16 rows, 64 up to 128, 128 beyond
+    (exploration/2026-12-02T04-*-fp8-down-sweep.json)."""
     block_n = FP8_BLOCK if gated else 64
     if INTERPRETED:
         return GemmConfig(32, block_n, FP8_BLOCK, 4, 4, 1)
-    if M <= 64 or fp8_swap_ab(M, gated, False):
+    if M <= 64 or swap:
         rows = 16 if M <= 16 else 64 if M <= 128 else 128  # tokens per tile
         return GemmConfig(rows, block_n, FP8_BLOCK, 1, 8 if gated else 4, 4)
     if tma:
@@ -149,19 +152,24 @@ def fp8_config(M: int, gated: bool, tma: bool) -> GemmConfig:
     return GemmConfig(64, FP8_BLOCK, FP8_BLOCK, 8, 4, 3)
 
 
-# The most rows of a single (down) FP8 GEMM with swapped products, split-K: the TMA
-# kernel's 128 x 128 tiles leave most SMs idle on Gemma-2B's 2048 outputs (on the H200 77-87
-# us from 72 to 512 rows, against 25 us swapped at up to 128 rows, 44 at 256 and 68 at 512;
-# at 768 rows the TMA kernel's 89 against 93; benchmarks/NOTES.md).
+# The most rows of a single (down) FP8 GEMM with swapped products, split-K, where the TMA
+# kernel's 128 x 128 tiles would leave SMs idle: on the H200 with Gemma-2B's 2048 outputs
+# (16 column tiles) the TMA kernel took 77-87 us from 72 to 512 rows, swapped 25 up to 128
+# rows, 44 at 256 and 68 at 512; at 768 rows the TMA kernel's 89 against 93
+# (benchmarks/NOTES.md).
 FP8_SWAP_ROWS = 512
 
 
-def fp8_swap_ab(M: int, gated: bool, quant_a: bool) -> bool:
+def fp8_swap_ab(M: int, N: int, gated: bool, quant_a: bool, programs: int) -> bool:
     """Whether an FP8 GEMM runs SWAP_AB on the portable kernel (the weight tile as the MMA's
-    rows, on Hopper's e4m3 MMA whatever the tokens): the single (down) GEMM up to
-    FP8_SWAP_ROWS rows, the gated one where it quantizes its A itself (QUANT_A, at most
-    FP8_QUANT_A_ROWS rows); the H200 sweeps' best (benchmarks/NOTES.md)."""
-    return quant_a or (not gated and M <= FP8_SWAP_ROWS)
+    rows, on Hopper's e4m3 MMA whatever the tokens): the single (down) GEMM up to 64 rows,
+    and up to FP8_SWAP_ROWS where the TMA kernel would have fewer tiles than ``programs``
+    (one per SM); the gated one where it quantizes its A itself (QUANT_A, at most
+    FP8_QUANT_A_ROWS rows). The H200 sweeps' best (benchmarks/NOTES.md)."""
+    if quant_a or (not gated and M <= 64):
+        return True
+    tma_tiles = cdiv(M, FP8_BLOCK) * cdiv(N, FP8_BLOCK)
+    return not gated and M <= FP8_SWAP_ROWS and tma_tiles < programs
 
 
 # Split-K: each program sums at least this many K-tiles (shorter loops barely pipeline).
@@ -364,11 +372,15 @@ class _Plan:
             epi.dact != NO_ACT or epi.accumulate or (epi.store_preact and not epi.gated)
         )
         self.tma = tma
+        swap = (
+            epi.fp8
+            and not tma
+            and fp8_swap_ab(M, N, epi.gated, epi.quant_a, num_programs(device))
+        )
         self.cfg = cfg = gemm_config(
-            M, N, K, dtype, epi.gated, tma, extra_tiles, epi.fp8
+            M, N, K, dtype, epi.gated, tma, extra_tiles, epi.fp8, swap
         )
         self.tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-        swap = epi.fp8 and not tma and fp8_swap_ab(M, epi.gated, epi.quant_a)
         self.split = 1
         if not tma and (M <= 64 or swap) and not epi.bias_grad:  # row sums: not split
             k_tiles = cdiv(K, cfg.block_k)
@@ -459,7 +471,12 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         tma = (
             K > 0
             and tma_applies(M, dtype, device)
-            and not (epilogue.fp8 and fp8_swap_ab(M, epilogue.gated, epilogue.quant_a))
+            and not (
+                epilogue.fp8
+                and fp8_swap_ab(
+                    M, N, epilogue.gated, epilogue.quant_a, num_programs(device)
+                )
+            )
         )
         plan = _PLANS[key] = _Plan(M, N, K, dtype, device, epilogue, tma)
     if plan.tma:
@@ -659,7 +676,9 @@ def gemm_gated_fp8(
     projection's FP8 GEMM reads. A 16-bit ``a`` is quantized in the K loop as
     quantize_fp8 would (the same q and scales): one launch fewer at decode sizes."""
     check_fp8_gemm_a("gemm_gated_fp8", a, a_scale, max_16_bit_rows=FP8_QUANT_A_ROWS)
-    check_fp8_scale_out("gemm_gated_fp8", h_scale, _rows(a)[0])
+    check_fp8_scale_out(
+        "gemm_gated_fp8", h_scale, cdiv(b_gate.shape[0], FP8_BLOCK), _rows(a)[0]
+    )
     epi = (activation, True, False, NO_ACT, False, False, bias_gate is not None, True,
            True, act_dtype == torch.bfloat16, a_scale is None)  # fmt: skip
     _gemm(
@@ -686,7 +705,7 @@ def fp8_cublas_applies(
     Gemma-2B's down projection on the H200 (its K blocks' scaling overlaps the MMAs, where
     ours waits for each; benchmarks/NOTES.md). Without a bias, a 16-bit output, N a
     multiple of 128 and K of 512 (cuBLAS wants the weight scales' K blocks a multiple of
-    4), contiguous weight scales."""
+    4), a weight of 16-byte-aligned rows, contiguous weight scales."""
     N, K = b.shape
     return (
         M >= FP8_CUBLAS_MIN_ROWS
@@ -694,6 +713,9 @@ def fp8_cublas_applies(
         and dtype in (torch.bfloat16, torch.float16)
         and N % FP8_BLOCK == 0
         and K % (4 * FP8_BLOCK) == 0
+        and b.stride(1) == 1  # b^T column-major, as cuBLAS reads it
+        and b.stride(0) % 16 == 0
+        and b.data_ptr() % 16 == 0
         and b_scale.is_contiguous()
         and has_cublas_fp8_blocks(b.device)
     )

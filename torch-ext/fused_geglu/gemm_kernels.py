@@ -25,7 +25,8 @@ its strides, so transposes are free. Constexpr flags select the fused work:
                tile as quantize_fp8_kernel would (``quantize_rows``): no separate launch
   SWAP_AB      (portable kernel) each K step computes (B @ A^T), the weight tile as the
                MMA's rows: at decode sizes the tokens are too few for Hopper's e4m3 MMA
-               (64 rows), which then runs with the weights' 64 or 128 rows instead
+               (64 rows), which then runs with the weights' 64 or 128 rows instead (and
+               FP8 down GEMMs of up to 512 rows, split-K where TMA tiles leave SMs idle)
   SPLIT_K      (portable kernel) programs per output tile, each summing a slice of K into
                an fp32 workspace; the last to finish adds the slices in a fixed order
                (deterministic) and applies the epilogue: decode shapes with fewer output

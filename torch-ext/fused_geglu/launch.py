@@ -131,15 +131,19 @@ def has_tma(device: torch.device) -> bool:
 
 
 def has_cublas_fp8_blocks(device: torch.device) -> bool:
-    """Whether torch's ``F.scaled_mm`` runs cuBLAS's GEMM with 1 x 128 and 128 x 128 block
-    scales here: a Hopper GPU (compute capability 9.0, the one measured) and a torch
-    that has the block-wise scaling types."""
+    """Whether torch's ``_scaled_mm`` runs cuBLAS's GEMM with 1 x 128 and 128 x 128 block
+    scales here: a Hopper GPU (compute capability 9.0, the one measured), a torch built
+    with CUDA 12.9 or later (earlier builds refuse block-wise scales) that has the
+    block-wise scaling types."""
     blocks = _HAS_CUBLAS_FP8_BLOCKS.get(device)
     if blocks is None:
+        cuda = torch.version.cuda
         blocks = (
             not INTERPRETED
             and device.type == "cuda"
             and torch.version.hip is None
+            and cuda is not None
+            and tuple(int(v) for v in cuda.split(".")[:2]) >= (12, 9)
             and hasattr(torch.nn.functional, "scaled_mm")
             and hasattr(
                 getattr(torch.nn.functional, "ScalingType", None), "BlockWise1x128"

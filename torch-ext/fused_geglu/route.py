@@ -25,7 +25,8 @@ Measured on the H200 (benchmarks/NOTES.md):
   launch (in a CUDA graph the two kernels took 17-38% less GPU time at 1 to 16 tokens);
   else the dual GEMM handing h to the down GEMM quantized, x quantized in the dual GEMM
   up to 16 tokens (two kernels), by a kernel of its own beyond (three); the down GEMM
-  swapped and split up to 512 tokens, cuBLAS's block-scaled GEMM from 2048 on Hopper
+  swapped and split up to 512 tokens where the TMA kernel's tiles would leave SMs idle
+  (gemm.fp8_swap_ab), cuBLAS's block-scaled GEMM from 2048 on Hopper
   (gemm.fp8_cublas_applies), the TMA kernel between and elsewhere.
   In training an FP8 projection runs its own forward.
 

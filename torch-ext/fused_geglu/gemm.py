@@ -371,12 +371,11 @@ class _Plan:
         extra_tiles = (
             epi.dact != NO_ACT or epi.accumulate or (epi.store_preact and not epi.gated)
         )
-        self.tma = tma
-        swap = (
-            epi.fp8
-            and not tma
-            and fp8_swap_ab(M, N, epi.gated, epi.quant_a, num_programs(device))
+        # swapped FP8 products (QUANT_A's among them) are the portable kernel's
+        swap = epi.fp8 and fp8_swap_ab(
+            M, N, epi.gated, epi.quant_a, num_programs(device)
         )
+        self.tma = tma = tma and not swap
         self.cfg = cfg = gemm_config(
             M, N, K, dtype, epi.gated, tma, extra_tiles, epi.fp8, swap
         )
@@ -466,19 +465,8 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
     key = (M, N, K, dtype, c.dtype, device, epi, strides)
     plan = _PLANS.get(key)
     if plan is None:
-        epilogue = Epilogue(*epi)
-        # swapped FP8 products (QUANT_A's among them) are the portable kernel's
-        tma = (
-            K > 0
-            and tma_applies(M, dtype, device)
-            and not (
-                epilogue.fp8
-                and fp8_swap_ab(
-                    M, N, epilogue.gated, epilogue.quant_a, num_programs(device)
-                )
-            )
-        )
-        plan = _PLANS[key] = _Plan(M, N, K, dtype, device, epilogue, tma)
+        tma = K > 0 and tma_applies(M, dtype, device)
+        plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), tma)
     if plan.tma:
         a2 = a if a.dim() == 2 else a.view(M, K)
         c2 = c if c.dim() == 2 else c.view(M, N)

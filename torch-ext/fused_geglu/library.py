@@ -395,8 +395,9 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
     rows = cdiv(m, FP8_CUBLAS_ROWS) * FP8_CUBLAS_ROWS if cublas else m
     h = _empty(x, rows, i, dtype=fp8)
     h_scale = _empty(x, cdiv(i, FP8_BLOCK), rows, dtype=torch.float32)
+    h_out, h_scale_out = (h[:m], h_scale[:, :m]) if rows > m else (h, h_scale)
     gemm_gated_fp8(
-        x_q, x_scale, w_gate, gate_scale, w_up, up_scale, h[:m], h_scale[:, :m], act,
+        x_q, x_scale, w_gate, gate_scale, w_up, up_scale, h_out, h_scale_out, act,
         x.dtype, bias_gate=b_gate, bias_up=b_up,
     )  # fmt: skip
     if cublas:

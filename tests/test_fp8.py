@@ -47,7 +47,8 @@ def e4m3_step(v: torch.Tensor) -> torch.Tensor:
     return torch.exp2(e - 3)
 
 
-def check_mlp(out, x, weights, scales, biases, approximate, fused_geglu, what=""):
+def check_mlp(out, x, weights, scales, biases, approximate, fused_geglu, what="",
+              h_pair=None):  # fmt: skip
     """``out`` against float64, stage by stage on the CPU. x quantized as ours does (equal to
     transformers' scheme: test_quantize_rows_is_transformers_scheme); then h =
     round(act(gate)) * up as our dual GEMM hands it over (e4m3 and scales) within one e4m3
@@ -57,7 +58,9 @@ def check_mlp(out, x, weights, scales, biases, approximate, fused_geglu, what=""
     down projection of that h, against the same product in fp32 rounded to x's dtype.
     An FP8 path's largest error against the float64 model is set by which h values land
     on the other side of a boundary (one step moves an output by up to 1/14 of h's largest
-    value): the model-level comparison with transformers' path is the GPU benchmark's."""
+    value): the model-level comparison with transformers' path is the GPU benchmark's.
+    ``h_pair``: (e4m3 h, scales) as the path under test formed them, where that is not
+    the dual GEMM."""
     f = fused_geglu
     m, hidden = x.shape
     (wg, wu, wd), (sg, su, sd), (bg, bu, bd) = weights, scales, biases
@@ -65,15 +68,18 @@ def check_mlp(out, x, weights, scales, biases, approximate, fused_geglu, what=""
     x_q = torch.empty(m, hidden, dtype=FP8, device=x.device)
     x_s = torch.empty(-(-hidden // 128), m, device=x.device)
     f.gemm.quantize_fp8(x, x_q, x_s)
-    h_q = torch.empty(m, inter, dtype=FP8, device=x.device)
-    h_s = torch.empty(-(-inter // 128), m, device=x.device)
-    act = f.gemm.gelu_code(approximate)
-    # h as the paths under test form it: x quantized in the dual GEMM up to
-    # FP8_QUANT_A_ROWS rows (the one launch's products are those), apart beyond
-    a, a_s = (x, None) if m <= f.gemm.FP8_QUANT_A_ROWS else (x_q, x_s)
-    f.gemm.gemm_gated_fp8(
-        a, a_s, wg, sg, wu, su, h_q, h_s, act, x.dtype, bias_gate=bg, bias_up=bu
-    )
+    if h_pair is None:
+        h_q = torch.empty(m, inter, dtype=FP8, device=x.device)
+        h_s = torch.empty(-(-inter // 128), m, device=x.device)
+        act = f.gemm.gelu_code(approximate)
+        # h as the paths under test form it: x quantized in the dual GEMM up to
+        # FP8_QUANT_A_ROWS rows (the one launch's products are those), apart beyond
+        a, a_s = (x, None) if m <= f.gemm.FP8_QUANT_A_ROWS else (x_q, x_s)
+        f.gemm.gemm_gated_fp8(
+            a, a_s, wg, sg, wu, su, h_q, h_s, act, x.dtype, bias_gate=bg, bias_up=bu
+        )
+    else:
+        h_q, h_s = h_pair
     cpu = lambda t: None if t is None else t.cpu()
     xd = x_q.cpu().double() * x_s.cpu().double().T.repeat_interleave(128, 1)[:, :hidden]
 
@@ -317,8 +323,9 @@ def test_down_gemm_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
     """From FP8_CUBLAS_MIN_ROWS tokens the down GEMM is cuBLAS's block-scaled GEMM where it
     applies (on the H200; on the CPU a stand-in, from 128 rows): h's rows padded to a
     multiple of 4 (3 padding rows, whose products are discarded), h's scales written with
-    the padded stride by the dual GEMM; within the rule of float64; three kernels."""
-    h, i, n = 256, 512, 256  # K = 512: cuBLAS's weight scales want 4 K blocks
+    the padded stride by the dual GEMM; within the rule of float64; three kernels. Gate
+    and up (K = 256) are not cuBLAS's: its weight scales want K blocks in fours."""
+    h, i, n = 256, 512, 256  # the down GEMM's K = 512
     weights, scales, biases = fp8_params(h, i, n, device, False, dtype)
     calls = []
     _cublas_stand_in(fused_geglu, monkeypatch, calls)
@@ -352,6 +359,88 @@ def test_down_gemm_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
         gpu = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernels = [e.name for e in gpu if "memset" not in e.name.lower()]
         assert len(kernels) == 3, kernels
+
+
+@pytest.mark.parametrize("past", [1, 2], ids=["unpadded", "3-padding-rows"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mlp_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
+    """From FP8_CUBLAS_MIN_ROWS tokens, where cuBLAS's block-scaled GEMM applies to all
+    three projections (on the H200; on the CPU a stand-in, from 128 rows), it computes
+    gate, up and the down product, over rows padded to a multiple of 4: x quantized, then
+    h = round(act(gate)) * up quantized in one kernel; within the rule of float64; five
+    kernels (torch's and cuBLAS's memsets and copies aside)."""
+    h, i, n = (
+        512,
+        512,
+        256,
+    )  # K = 512 for all three: cuBLAS's weight scales want 4 blocks
+    weights, scales, biases = fp8_params(h, i, n, device, False, dtype)
+    calls = []
+    _cublas_stand_in(fused_geglu, monkeypatch, calls)
+    if HAS_GPU and not fused_geglu.launch.has_cublas_fp8_blocks(torch.device(device)):
+        pytest.skip(
+            "cuBLAS's block-scaled FP8 GEMM is measured and taken on Hopper only"
+        )
+    if not HAS_GPU:
+        monkeypatch.setattr(fused_geglu.gemm, "FP8_CUBLAS_MIN_ROWS", 128)
+    tokens = fused_geglu.gemm.FP8_CUBLAS_MIN_ROWS - 1 + past
+    x = torch.randn(tokens, h, dtype=dtype, device=device)
+    quantized = []  # h and its scales, as the route hands them to the down product
+    quantize = fused_geglu.library.quantize_fp8
+
+    def spy(x, q, s, **kwargs):
+        quantize(x, q, s, **kwargs)
+        quantized.append((q.clone(), s.clone()))
+
+    monkeypatch.setattr(fused_geglu.library, "quantize_fp8", spy)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    out = fused_geglu.geglu_mlp_fp8(
+        x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2]
+    )
+    assert calls == [-(-tokens // 4) * 4] * 3
+    assert launched == ["quantize_fp8_kernel", "quantize_fp8_kernel"]
+    assert out.shape == (tokens, n) and out.is_contiguous()
+    check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu,
+              h_pair=quantized[1])  # fmt: skip
+    if HAS_GPU:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]
+        ) as p:
+            fused_geglu.geglu_mlp_fp8(
+                x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2]
+            )
+            torch.cuda.synchronize()
+        gpu = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        # torch._scaled_mm copies small scale tensors (device to device) at some shapes
+        # (not at Gemma-2B's), and cuBLAS sets its workspace
+        bookkeeping = ("memset", "memcpy")
+        kernels = [e.name for e in gpu if not e.name.lower().startswith(bookkeeping)]
+        assert len(kernels) == 5, kernels
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_fp8_of_geglu(fused_geglu, device, approximate, dtype):
+    """quantize_fp8 with ``up`` quantizes round(act(gate)) * up: equal to our activation
+    (eager's bit for bit on the GPU, tests/test_activation.py) quantized apart, its
+    scales into the leading columns of a wider buffer (the rows cuBLAS pads); x and up
+    of other strides are refused."""
+    gemm = fused_geglu.gemm
+    m, k = 37, 300
+    gate, up = (torch.randn(m, k, dtype=dtype, device=device) * 4 for _ in range(2))
+    act = gemm.GELU_TANH if approximate == "tanh" else gemm.GELU
+    q = torch.full((m, k), float("nan"), device=device).to(FP8)
+    s = torch.full((3, m + 3), float("nan"), device=device)
+    gemm.quantize_fp8(gate, q, s[:, :m], up=up, activation=act)
+    assert s[:, m:].isnan().all()
+    h = fused_geglu.geglu(gate, up, approximate)
+    ref_q = torch.empty(m, k, dtype=FP8, device=device)
+    ref_s = torch.empty(3, m, device=device)
+    gemm.quantize_fp8(h, ref_q, ref_s)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(s[:, :m], ref_s)
+    with pytest.raises(ValueError, match="must match x"):
+        gemm.quantize_fp8(gate, q, s[:, :m], up=up.T.contiguous().T, activation=act)
 
 
 def test_fp8_cublas_applies(fused_geglu, device, monkeypatch):

@@ -11,7 +11,8 @@ Every entry point computes into ``c`` ([M, N]) from ``a`` ([M, K]) and weights i
                                          out = gemm_gated(x, ...) @ w_down^T + bias_down,
                                          one launch, for at most MLP_MAX_TOKENS rows
 FP8 (e4m3 weights with 128 x 128 block scales, transformers' FineGrainedFP8):
-  quantize_fp8(x, q, s)                  q, s = x per row and 128 columns (e4m3, scales)
+  quantize_fp8(x, q, s)                  q, s = x per row and 128 columns (e4m3, scales);
+                                         with up and act: of round(act(x)) * up
   gemm_fp8(a, a_scale, b, b_scale, c)    c = (a, a_scale) @ (b, b_scale)^T + bias
   gemm_gated_fp8(a, a_scale, b_gate, gate_scale, b_up, up_scale, h, h_scale, act)
                                          h, h_scale = quantize(round(act(gate)) * up);
@@ -596,13 +597,23 @@ _QUANTIZE_PLANS = BoundedCache(256)
 
 
 def quantize_fp8(
-    x: torch.Tensor,  # [M, K] (2-D, or contiguous seen as rows)
+    x: torch.Tensor,  # [M, K] (2-D, or contiguous seen as rows); with ``up``, the gate
     q: torch.Tensor,  # [M, K] e4m3, contiguous
-    s: torch.Tensor,  # [cdiv(K, 128), M] fp32, contiguous
+    s: torch.Tensor,  # [cdiv(K, 128), >= M] fp32, unit column stride
+    *,
+    up: torch.Tensor | None = None,  # [M, K], x's strides
+    activation: int = NO_ACT,
 ) -> None:
     """q, s = x quantized per row and 128 columns (gemm_kernels.quantize_rows), the scales
-    K-block-major: the A operand of gemm_fp8 / gemm_gated_fp8."""
+    K-block-major: the A operand of gemm_fp8 / gemm_gated_fp8. With ``up`` and a GeLU
+    ``activation``, x = round(act(x)) * up in x's dtype is quantized: the h that
+    gemm_gated_fp8 hands over, from gate and up computed apart."""
     M, K, (stride_m, stride_k) = _rows(x)
+    if up is not None and _rows(up) != (M, K, (stride_m, stride_k)):
+        raise ValueError(
+            f"quantize_fp8: up {tuple(up.shape)} (strides {up.stride()}) must match x "
+            f"{tuple(x.shape)} (strides {x.stride()})"
+        )
     if M == 0 or K == 0:
         return
     block_m = 16 if INTERPRETED else 32
@@ -610,16 +621,23 @@ def quantize_fp8(
     key = (
         x.dtype,
         x.device,
-        *((v == 1, v % 16 == 0) for v in (M, K, stride_m, stride_k)),
+        activation,
+        *((v == 1, v % 16 == 0) for v in (M, K, stride_m, stride_k, s.stride(0))),
     )
     launcher = _QUANTIZE_PLANS.get(key)
     if launcher is None:
         launcher = _QUANTIZE_PLANS[key] = Launcher(
             quantize_fp8_kernel,
-            {"BLOCK_M": block_m, "BLOCK_K": FP8_BLOCK, "num_warps": 4, "num_stages": 1},
+            {
+                "BLOCK_M": block_m,
+                "BLOCK_K": FP8_BLOCK,
+                "ACTIVATION": activation,
+                "num_warps": 4,
+                "num_stages": 1,
+            },
         )
     grid = cdiv(M, block_m) * cdiv(K, FP8_BLOCK)
-    launcher(grid, x, q, s, M, K, stride_m, stride_k)
+    launcher(grid, x, up, q, s, M, K, stride_m, stride_k, s.stride(0))
 
 
 # The most rows whose dual GEMM quantizes a 16-bit A itself (QUANT_A, swapped products):

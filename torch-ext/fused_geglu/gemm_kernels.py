@@ -77,32 +77,37 @@ def quantize_rows(a):
 
 @triton.jit
 def quantize_fp8_kernel(
-    x_ptr,  # [M, K]
+    x_ptr,  # [M, K]; with ACTIVATION, the gate
+    up_ptr,  # [M, K] of x's strides (ACTIVATION), or None
     q_ptr,  # [M, K] e4m3, contiguous
-    s_ptr,  # [cdiv(K, BLOCK_K), M] fp32
+    s_ptr,  # [cdiv(K, BLOCK_K), >= M] fp32, unit column stride
     M,
     K,
     stride_xm,
     stride_xk,
+    stride_sk,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,  # the scale block (128)
+    ACTIVATION: tl.constexpr,  # 0, or a GeLU code: x = round(act(gate)) * up first
 ):
     """q, s = quantize_rows(x) per row and BLOCK_K columns; the scales K-block-major, so a
-    GEMM step loads one block's scales of BLOCK_M rows contiguously."""
+    GEMM step loads one block's scales of BLOCK_M rows contiguously. With ACTIVATION, x is
+    geglu_tile(gate, up) in the gate's dtype: the dual GEMM's h, quantized as its epilogue
+    does (QUANT_OUT with ACT_BF16)."""
     k_blocks = tl.cdiv(K, BLOCK_K)
     pid_m, pid_k = tl.program_id(0) // k_blocks, tl.program_id(0) % k_blocks
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k.to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask = mask_m[:, None] & (offs_k < K)[None, :]
-    x = tl.load(
-        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-        mask=mask,
-        other=0.0,
-    )
+    offs = offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if ACTIVATION != 0:
+        up = tl.load(up_ptr + offs, mask=mask, other=0.0)
+        x = geglu_tile(x.to(tl.float32), up.to(tl.float32), x.dtype, ACTIVATION == 2)
     q, s = quantize_rows(x.to(tl.float32))
     tl.store(q_ptr + offs_m[:, None] * K + offs_k[None, :], q, mask=mask)
-    tl.store(s_ptr + pid_k * M + offs_m, s, mask=mask_m)
+    tl.store(s_ptr + pid_k * stride_sk + offs_m, s, mask=mask_m)
 
 
 @triton.jit

@@ -370,10 +370,11 @@ geglu_mlp = KernelOp(
 def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_gate,
                    b_up, b_down, approximate, one_launch):  # fmt: skip
     """The FP8 MLP (fp32 block scales; gate_scale and up_scale of one stride): in one
-    launch (``one_launch``: at most MLP_MAX_TOKENS rows), or x quantized (inside the dual
-    GEMM up to FP8_QUANT_A_ROWS rows), the dual GEMM handing h over quantized, and the
-    down GEMM (cuBLAS's where fp8_cublas_applies: h's rows then padded to a multiple of
-    FP8_CUBLAS_ROWS, the padding's products discarded)."""
+    launch (``one_launch``: at most MLP_MAX_TOKENS rows); all three products by cuBLAS
+    where fp8_cublas_applies to each (prefill on Hopper: _geglu_mlp_fp8_cublas); or x
+    quantized (inside the dual GEMM up to FP8_QUANT_A_ROWS rows), the dual GEMM handing h
+    over quantized, and the down GEMM (cuBLAS's where fp8_cublas_applies: h's rows then
+    padded to a multiple of FP8_CUBLAS_ROWS, the padding's products discarded)."""
     m, hidden, i = math.prod(x.shape[:-1]), x.shape[-1], w_gate.shape[0]
     n = w_down.shape[0]
     x2, act = _rows_operand(x), gelu_code(approximate)
@@ -385,6 +386,13 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
         )  # fmt: skip
         return out
     fp8 = torch.float8_e4m3fn
+    if all(
+        fp8_cublas_applies(m, w, s, b, x.dtype)
+        for w, s, b in ((w_gate, gate_scale, b_gate), (w_up, up_scale, b_up))
+    ) and fp8_cublas_applies(m, w_down, down_scale, b_down, x.dtype):
+        return _geglu_mlp_fp8_cublas(
+            x, x2, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, act
+        )
     if m <= FP8_QUANT_A_ROWS:  # the dual GEMM quantizes x in its K loop
         x_q, x_scale = x2, None
     else:
@@ -406,6 +414,29 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
     out = _empty(x, *x.shape[:-1], n)
     gemm_fp8(h, h_scale, w_down, down_scale, out, bias=b_down)
     return out
+
+
+def _geglu_mlp_fp8_cublas(x, x2, w_gate, gate_scale, w_up, up_scale, w_down, down_scale,
+                          act):  # fmt: skip
+    """The FP8 MLP's three products by cuBLAS's block-scaled GEMM (prefill sizes on Hopper,
+    gemm.fp8_cublas_applies for all three): x quantized, gate and up apart (rounded to x's
+    dtype, as gemm_gated_fp8 rounds them), h = round(act(gate)) * up quantized in one
+    kernel, the down product. The rows padded to a multiple of FP8_CUBLAS_ROWS; the padding
+    rows (never written) stay in their own rows of every product, discarded at the end."""
+    fp8, f32 = torch.float8_e4m3fn, torch.float32
+    m, hidden, i = x2.numel() // x2.shape[-1], x2.shape[-1], w_gate.shape[0]
+    rows = cdiv(m, FP8_CUBLAS_ROWS) * FP8_CUBLAS_ROWS
+    x_q = _empty(x, rows, hidden, dtype=fp8)
+    x_scale = _empty(x, cdiv(hidden, FP8_BLOCK), rows, dtype=f32)
+    quantize_fp8(x2, x_q[:m], x_scale[:, :m])
+    gate = gemm_fp8_cublas(x_q, x_scale, w_gate, gate_scale, x.dtype)
+    up = gemm_fp8_cublas(x_q, x_scale, w_up, up_scale, x.dtype)
+    h = _empty(x, rows, i, dtype=fp8)
+    h_scale = _empty(x, cdiv(i, FP8_BLOCK), rows, dtype=f32)
+    quantize_fp8(gate[:m], h[:m], h_scale[:, :m], up=up[:m], activation=act)
+    del gate, up  # 2 x rows x i in x's dtype: freed before the down product's output
+    out = gemm_fp8_cublas(h, h_scale, w_down, down_scale, x.dtype)
+    return out[:m].view(*x.shape[:-1], w_down.shape[0])
 
 
 geglu_mlp_fp8 = KernelOp(

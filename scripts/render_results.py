@@ -500,7 +500,7 @@ def fp8_section(path: Path, result: dict, brief: bool = False) -> list[str]:
     head = [
         "tokens",
         *(FP8_PATHS[n] for n in names),
-        "fused-geglu FP8 kernels, eager call",
+        "fused-geglu FP8 launches (memsets included), eager call",
     ]
     if "fp8_transformers" in names:
         head.append("FP8 speed-up over transformers")

@@ -361,20 +361,12 @@ def test_down_gemm_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
         assert len(kernels) == 3, kernels
 
 
-@pytest.mark.parametrize("past", [1, 2], ids=["unpadded", "3-padding-rows"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_mlp_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
-    """From FP8_CUBLAS_MIN_ROWS tokens, where cuBLAS's block-scaled GEMM applies to all
-    three projections (on the H200; on the CPU a stand-in, from 128 rows), it computes
-    gate, up and the down product, over rows padded to a multiple of 4: x quantized, then
-    h = round(act(gate)) * up quantized in one kernel; within the rule of float64; five
-    kernels (torch's and cuBLAS's memsets and copies aside)."""
-    h, i, n = (
-        512,
-        512,
-        256,
-    )  # K = 512 for all three: cuBLAS's weight scales want 4 blocks
-    weights, scales, biases = fp8_params(h, i, n, device, False, dtype)
+def _cublas_case(fused_geglu, device, monkeypatch, dtype, bias: bool):
+    """(tokens, weights, scales, biases, cuBLAS calls) for the all-cuBLAS route's tests:
+    K = 512 for all three products (cuBLAS's weight scales want 4 blocks); on the CPU the
+    stand-in from 128 rows; ``bias``: the gate's and the up's."""
+    weights, scales, biases = fp8_params(512, 512, 256, device, bias, dtype)
+    biases = (biases[0], biases[1], None)
     calls = []
     _cublas_stand_in(fused_geglu, monkeypatch, calls)
     if HAS_GPU and not fused_geglu.launch.has_cublas_fp8_blocks(torch.device(device)):
@@ -383,8 +375,28 @@ def test_mlp_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
         )
     if not HAS_GPU:
         monkeypatch.setattr(fused_geglu.gemm, "FP8_CUBLAS_MIN_ROWS", 128)
-    tokens = fused_geglu.gemm.FP8_CUBLAS_MIN_ROWS - 1 + past
-    x = torch.randn(tokens, h, dtype=dtype, device=device)
+    return fused_geglu.gemm.FP8_CUBLAS_MIN_ROWS, weights, scales, biases, calls
+
+
+@pytest.mark.parametrize(
+    "past, approximate, rank",
+    [(1, "tanh", 2), (2, "none", 3)],
+    ids=["unpadded-tanh", "3-padding-rows-exact-3d"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mlp_by_cublas(
+    fused_geglu, device, monkeypatch, past, approximate, rank, dtype
+):
+    """From FP8_CUBLAS_MIN_ROWS tokens, where cuBLAS's block-scaled GEMM applies to all
+    three projections (on the H200; on the CPU a stand-in, from 128 rows), it computes
+    gate, up and the down product, over rows padded to a multiple of 4: x quantized, then
+    h = round(act(gate)) * up quantized in one kernel; within the rule of float64; our two
+    kernels and cuBLAS's three (torch's and cuBLAS's memsets and copies aside)."""
+    min_rows, weights, scales, biases, calls = _cublas_case(
+        fused_geglu, device, monkeypatch, dtype, False
+    )
+    tokens = min_rows - 1 + past
+    x = torch.randn(tokens, 512, dtype=dtype, device=device)
     quantized = []  # h and its scales, as the route hands them to the down product
     quantize = fused_geglu.library.quantize_fp8
 
@@ -394,28 +406,54 @@ def test_mlp_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
 
     monkeypatch.setattr(fused_geglu.library, "quantize_fp8", spy)
     launched = spy_launches(fused_geglu, monkeypatch)
-    out = fused_geglu.geglu_mlp_fp8(
-        x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2]
-    )
+    mlp = lambda: fused_geglu.geglu_mlp_fp8(
+        x.view(1, tokens, 512) if rank == 3 else x, weights[0], scales[0], weights[1],
+        scales[1], weights[2], scales[2], approximate=approximate,
+    )  # fmt: skip
+    out = mlp()
     assert calls == [-(-tokens // 4) * 4] * 3
     assert launched == ["quantize_fp8_kernel", "quantize_fp8_kernel"]
-    assert out.shape == (tokens, n) and out.is_contiguous()
-    check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu,
-              h_pair=quantized[1])  # fmt: skip
+    assert out.shape == ((1, tokens, 256) if rank == 3 else (tokens, 256))
+    assert out.is_contiguous()
+    check_mlp(out.view(tokens, 256), x, weights, scales, biases, approximate,
+              fused_geglu, h_pair=quantized[1])  # fmt: skip
     if HAS_GPU:
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CUDA]
         ) as p:
-            fused_geglu.geglu_mlp_fp8(
-                x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2]
-            )
+            mlp()
             torch.cuda.synchronize()
         gpu = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        # torch._scaled_mm copies small scale tensors (device to device) at some shapes
-        # (not at Gemma-2B's), and cuBLAS sets its workspace
-        bookkeeping = ("memset", "memcpy")
-        kernels = [e.name for e in gpu if not e.name.lower().startswith(bookkeeping)]
-        assert len(kernels) == 5, kernels
+        # torch._scaled_mm copies these small scale tensors (a memcpy, or its copy kernel
+        # for 3 padding rows; not at Gemma-2B's shapes, benchmarks/fp8.py's kernel lists),
+        # and cuBLAS sets its workspace
+        kernels = [
+            e.name
+            for e in gpu
+            if not e.name.lower().startswith(("memset", "memcpy"))
+            and "direct_copy_kernel" not in e.name
+        ]
+        ours = [k for k in kernels if k == "quantize_fp8_kernel"]
+        assert len(ours) == 2 and len(kernels) == 5, kernels
+
+
+def test_mlp_by_cublas_down_only_with_gate_and_up_biases(
+    fused_geglu, device, monkeypatch
+):
+    """Biases on gate and up keep them in the dual GEMM (which adds them before rounding;
+    cuBLAS's route takes none); the down product is still cuBLAS's."""
+    min_rows, weights, scales, biases, calls = _cublas_case(
+        fused_geglu, device, monkeypatch, torch.bfloat16, True
+    )
+    x = torch.randn(min_rows, 512, dtype=torch.bfloat16, device=device)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    out = fused_geglu.geglu_mlp_fp8(
+        x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2],
+        b_gate=biases[0], b_up=biases[1],
+    )  # fmt: skip
+    assert calls == [min_rows]
+    assert launched == ["quantize_fp8_kernel", "gemm_tma_kernel"]
+    check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu)
 
 
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
@@ -423,8 +461,9 @@ def test_mlp_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
 def test_quantize_fp8_of_geglu(fused_geglu, device, approximate, dtype):
     """quantize_fp8 with ``up`` quantizes round(act(gate)) * up: equal to our activation
     (eager's bit for bit on the GPU, tests/test_activation.py) quantized apart, its
-    scales into the leading columns of a wider buffer (the rows cuBLAS pads); x and up
-    of other strides are refused."""
+    scales into the leading columns of a wider buffer (the rows cuBLAS pads); an up of
+    other strides or dtype, up without a GeLU or a GeLU without up, scales not
+    [blocks, rows] with unit column stride and a non-contiguous q are refused."""
     gemm = fused_geglu.gemm
     m, k = 37, 300
     gate, up = (torch.randn(m, k, dtype=dtype, device=device) * 4 for _ in range(2))
@@ -441,6 +480,16 @@ def test_quantize_fp8_of_geglu(fused_geglu, device, approximate, dtype):
     assert torch.equal(s[:, :m], ref_s)
     with pytest.raises(ValueError, match="must match x"):
         gemm.quantize_fp8(gate, q, s[:, :m], up=up.T.contiguous().T, activation=act)
+    with pytest.raises(ValueError, match="must match x"):
+        gemm.quantize_fp8(gate, q, s[:, :m], up=up.float(), activation=act)
+    with pytest.raises(ValueError, match="come together"):
+        gemm.quantize_fp8(gate, q, s[:, :m], activation=act)  # no up
+    with pytest.raises(ValueError, match="come together"):
+        gemm.quantize_fp8(gate, q, s[:, :m], up=up)  # no activation
+    with pytest.raises(ValueError, match="s must be"):
+        gemm.quantize_fp8(gate, q, torch.empty(m, 3, device=device).T)
+    with pytest.raises(ValueError, match="q must be"):
+        gemm.quantize_fp8(gate, q.T.contiguous().T, s[:, :m])
 
 
 def test_fp8_cublas_applies(fused_geglu, device, monkeypatch):

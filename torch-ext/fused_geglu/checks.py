@@ -328,18 +328,21 @@ def check_fp8_gemm_a(op: str, a: torch.Tensor, a_scale, max_16_bit_rows: int) ->
         )
 
 
-def check_fp8_scale_out(op: str, scale: torch.Tensor, blocks: int, rows: int) -> None:
-    """Block scales an FP8 GEMM writes: [blocks, rows] with unit column stride, its rows at
-    least ``rows`` apart (a padded buffer's leading columns are fine)."""
+def check_fp8_scale_out(
+    op: str, scale: torch.Tensor, blocks: int, rows: int, name: str = "h_scale"
+) -> None:
+    """Block scales an FP8 kernel writes: [blocks, rows] fp32 with unit column stride, its
+    rows at least ``rows`` apart (a padded buffer's leading columns are fine)."""
     if (
         tuple(scale.shape) != (blocks, rows)
+        or scale.dtype != torch.float32
         or scale.stride(1) != 1
         or scale.stride(0) < rows
     ):
         raise ValueError(
-            f"{op}: h_scale must be [cdiv(N, 128), M] = [{blocks}, {rows}] with unit "
-            f"column stride and rows at least M apart; got shape {tuple(scale.shape)}, "
-            f"strides {scale.stride()}"
+            f"{op}: {name} must be [128-column blocks, rows] = [{blocks}, {rows}] fp32 "
+            f"with unit column stride and rows at least {rows} apart; got shape "
+            f"{tuple(scale.shape)} {scale.dtype}, strides {scale.stride()}"
         )
 
 

@@ -391,7 +391,7 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
         for w, s, b in ((w_gate, gate_scale, b_gate), (w_up, up_scale, b_up))
     ) and fp8_cublas_applies(m, w_down, down_scale, b_down, x.dtype):
         return _geglu_mlp_fp8_cublas(
-            x, x2, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, act
+            x, x2, m, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, act
         )
     if m <= FP8_QUANT_A_ROWS:  # the dual GEMM quantizes x in its K loop
         x_q, x_scale = x2, None
@@ -416,15 +416,15 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
     return out
 
 
-def _geglu_mlp_fp8_cublas(x, x2, w_gate, gate_scale, w_up, up_scale, w_down, down_scale,
-                          act):  # fmt: skip
+def _geglu_mlp_fp8_cublas(x, x2, m, w_gate, gate_scale, w_up, up_scale, w_down,
+                          down_scale, act):  # fmt: skip
     """The FP8 MLP's three products by cuBLAS's block-scaled GEMM (prefill sizes on Hopper,
     gemm.fp8_cublas_applies for all three): x quantized, gate and up apart (rounded to x's
     dtype, as gemm_gated_fp8 rounds them), h = round(act(gate)) * up quantized in one
     kernel, the down product. The rows padded to a multiple of FP8_CUBLAS_ROWS; the padding
     rows (never written) stay in their own rows of every product, discarded at the end."""
     fp8, f32 = torch.float8_e4m3fn, torch.float32
-    m, hidden, i = x2.numel() // x2.shape[-1], x2.shape[-1], w_gate.shape[0]
+    hidden, i = x2.shape[-1], w_gate.shape[0]
     rows = cdiv(m, FP8_CUBLAS_ROWS) * FP8_CUBLAS_ROWS
     x_q = _empty(x, rows, hidden, dtype=fp8)
     x_scale = _empty(x, cdiv(hidden, FP8_BLOCK), rows, dtype=f32)

@@ -248,7 +248,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", type=Path, help="finegrained-fp8's torch-ext folder")
     parser.add_argument(
-        "--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 1024, 8192]
+        "--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 1024, 2048, 8192]
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tune", action="store_true")
@@ -303,7 +303,7 @@ def main() -> None:
     # The kernels that CUDA graphs (decode) run in place of an eager call's one launch.
     kernels = {"fp8_ours_kernels": deterministic(fp8_fns["fp8_ours"])}
     result["errors_vs_float64"] = {}
-    for t in (16, 256):
+    for t in (16, 256, 2048, 8192):  # from 2048 the all-cuBLAS route (where it applies)
         paths = fp8_fns | (kernels if t <= ours.gemm.MLP_MAX_TOKENS else {})
         result["errors_vs_float64"][str(t)] = errors(paths, fp8, weights, scales, t)
     if args.peer is not None:

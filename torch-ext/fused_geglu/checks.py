@@ -346,6 +346,32 @@ def check_fp8_scale_out(
         )
 
 
+def check_fp8_quantize_operands(op: str, x, up, q, s, rows: int, cols: int) -> None:
+    """quantize_fp8's operands: ``up`` (or None) x's twin in shape, strides, dtype and
+    device; q [rows, cols] e4m3, contiguous; s its scales (check_fp8_scale_out)."""
+    if up is not None and (
+        up.shape != x.shape
+        or up.stride() != x.stride()
+        or up.dtype != x.dtype
+        or up.device != x.device
+    ):
+        raise ValueError(
+            f"{op}: up {tuple(up.shape)} {up.dtype} on {up.device} (strides "
+            f"{up.stride()}) must match x {tuple(x.shape)} {x.dtype} on {x.device} "
+            f"(strides {x.stride()})"
+        )
+    if (
+        q.shape != (rows, cols)
+        or q.dtype != torch.float8_e4m3fn
+        or not q.is_contiguous()
+    ):
+        raise ValueError(
+            f"{op}: q must be [{rows}, {cols}] float8_e4m3fn, contiguous; got "
+            f"{tuple(q.shape)} {q.dtype}, strides {q.stride()}"
+        )
+    check_fp8_scale_out(op, s, -(-cols // 128), rows, "s")
+
+
 def check_contiguous(op: str, **tensors: torch.Tensor | None) -> None:
     """Outputs the GEMM kernels write as contiguous rows (the stored pre-activations)."""
     bad = {n: t for n, t in tensors.items() if t is not None and not t.is_contiguous()}

@@ -32,7 +32,12 @@ from dataclasses import dataclass
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .checks import check_contiguous, check_fp8_gemm_a, check_fp8_scale_out
+from .checks import (
+    check_contiguous,
+    check_fp8_gemm_a,
+    check_fp8_quantize_operands,
+    check_fp8_scale_out,
+)
 from .gemm_kernels import (
     FP8_BLOCK,
     geglu_mlp_kernel,
@@ -609,33 +614,15 @@ def quantize_fp8(
     ``activation``, x = round(act(x)) * up in x's dtype is quantized: the h that
     gemm_gated_fp8 hands over, from gate and up computed apart."""
     M, K, (stride_m, stride_k) = _rows(x)
-    if (up is None) != (activation == NO_ACT) or activation not in (
-        NO_ACT,
-        GELU,
-        GELU_TANH,
+    if activation not in (NO_ACT, GELU, GELU_TANH) or (up is None) != (
+        activation == NO_ACT
     ):
         raise ValueError(
             f"quantize_fp8: up and a GeLU activation (codes {GELU}, {GELU_TANH}) come "
             f"together; got up {'None' if up is None else tuple(up.shape)}, activation "
             f"{activation!r}"
         )
-    if up is not None and (
-        up.shape != x.shape
-        or up.stride() != x.stride()
-        or up.dtype != x.dtype
-        or up.device != x.device
-    ):
-        raise ValueError(
-            f"quantize_fp8: up {tuple(up.shape)} {up.dtype} on {up.device} (strides "
-            f"{up.stride()}) must match x {tuple(x.shape)} {x.dtype} on {x.device} "
-            f"(strides {x.stride()})"
-        )
-    if q.shape != (M, K) or q.dtype != torch.float8_e4m3fn or not q.is_contiguous():
-        raise ValueError(
-            f"quantize_fp8: q must be [{M}, {K}] float8_e4m3fn, contiguous; got "
-            f"{tuple(q.shape)} {q.dtype}, strides {q.stride()}"
-        )
-    check_fp8_scale_out("quantize_fp8", s, cdiv(K, FP8_BLOCK), M, "s")
+    check_fp8_quantize_operands("quantize_fp8", x, up, q, s, M, K)
     if M == 0 or K == 0:
         return
     block_m = 16 if INTERPRETED else 32

@@ -386,12 +386,16 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
         )  # fmt: skip
         return out
     fp8 = torch.float8_e4m3fn
-    if all(
+    cublas = fp8_cublas_applies(m, w_down, down_scale, b_down, x.dtype)
+    # cuBLAS's rows: padded to a multiple of FP8_CUBLAS_ROWS, the padding's products
+    # (never written rows) discarded
+    rows = cdiv(m, FP8_CUBLAS_ROWS) * FP8_CUBLAS_ROWS if cublas else m
+    if cublas and all(
         fp8_cublas_applies(m, w, s, b, x.dtype)
         for w, s, b in ((w_gate, gate_scale, b_gate), (w_up, up_scale, b_up))
-    ) and fp8_cublas_applies(m, w_down, down_scale, b_down, x.dtype):
+    ):
         return _geglu_mlp_fp8_cublas(
-            x, x2, m, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, act
+            x, x2, m, rows, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, act
         )
     if m <= FP8_QUANT_A_ROWS:  # the dual GEMM quantizes x in its K loop
         x_q, x_scale = x2, None
@@ -399,8 +403,6 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
         x_q = _empty(x, m, hidden, dtype=fp8)
         x_scale = _empty(x, cdiv(hidden, FP8_BLOCK), m, dtype=torch.float32)
         quantize_fp8(x2, x_q, x_scale)
-    cublas = fp8_cublas_applies(m, w_down, down_scale, b_down, x.dtype)
-    rows = cdiv(m, FP8_CUBLAS_ROWS) * FP8_CUBLAS_ROWS if cublas else m
     h = _empty(x, rows, i, dtype=fp8)
     h_scale = _empty(x, cdiv(i, FP8_BLOCK), rows, dtype=torch.float32)
     h_out, h_scale_out = (h[:m], h_scale[:, :m]) if rows > m else (h, h_scale)
@@ -416,16 +418,15 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
     return out
 
 
-def _geglu_mlp_fp8_cublas(x, x2, m, w_gate, gate_scale, w_up, up_scale, w_down,
+def _geglu_mlp_fp8_cublas(x, x2, m, rows, w_gate, gate_scale, w_up, up_scale, w_down,
                           down_scale, act):  # fmt: skip
     """The FP8 MLP's three products by cuBLAS's block-scaled GEMM (prefill sizes on Hopper,
     gemm.fp8_cublas_applies for all three): x quantized, gate and up apart (rounded to x's
     dtype, as gemm_gated_fp8 rounds them), h = round(act(gate)) * up quantized in one
-    kernel, the down product. The rows padded to a multiple of FP8_CUBLAS_ROWS; the padding
-    rows (never written) stay in their own rows of every product, discarded at the end."""
+    kernel, the down product; over ``rows`` (m padded), the padding rows (never written)
+    in their own rows of every product, discarded at the end."""
     fp8, f32 = torch.float8_e4m3fn, torch.float32
     hidden, i = x2.shape[-1], w_gate.shape[0]
-    rows = cdiv(m, FP8_CUBLAS_ROWS) * FP8_CUBLAS_ROWS
     x_q = _empty(x, rows, hidden, dtype=fp8)
     x_scale = _empty(x, cdiv(hidden, FP8_BLOCK), rows, dtype=f32)
     quantize_fp8(x2, x_q[:m], x_scale[:, :m])

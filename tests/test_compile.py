@@ -107,8 +107,10 @@ def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False):
     args |= fp8_scales(epi)
     if quant_a:
         args["a_scale_ptr"] = None
+    if epi.clear:
+        args["clear_ptr"] = t(epi.clear, dtype=torch.int32)
     consts = {**epi.constexprs(), **cfg.constexprs(), "SPLIT_K": split,
-              "QUANT_A": quant_a,
+              "QUANT_A": quant_a, "CLEAR": epi.clear,
               "SWAP_AB": swap,
               "EVEN_K": K % cfg.block_k == 0,
               "INPUT_PRECISION": gemm._input_precision(dtype)}
@@ -221,9 +223,9 @@ CASES = {
         16, 2048, 16384, fp8, E(fp8=True), split=8),
     "fp8 gemm 256 rows, down, swapped, 128-token tiles, split 2": portable_gemm(
         256, 2048, 16384, fp8, E(fp8=True), split=2),
-    "fp8 gemm decode, gated, x quantized in the loop, swapped": portable_gemm(
+    "fp8 gemm decode, gated, x quantized in the loop, swapped, clears counters": portable_gemm(
         1, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
-                               quant_out=True, act_bf16=True), quant_a=True),
+                               quant_out=True, act_bf16=True, clear=256), quant_a=True),
     "fp8 tma dual gemm, h quantized, bias": tma_gemm(
         8192, 16384, 2048, fp8, E(activation=gemm.GELU, gated=True, has_bias=True,
                                   fp8=True, quant_out=True, act_bf16=True)),

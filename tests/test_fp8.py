@@ -792,14 +792,55 @@ def test_one_launch_fp8_limits(fused_geglu, device):
         )
 
 
+def test_dual_gemm_clears_the_down_gemms_counters(fused_geglu, device):
+    """gemm_gated_fp8's ``clear`` zeroes later_split_k_counters whatever they held, and
+    gemm_fp8's split-K over them sums as over its own (equal), leaving them zero: in a CUDA
+    graph the down GEMM's counters need no memset node. Counters of the wrong kind are
+    refused."""
+    gemm = fused_geglu.gemm
+    (w_gate, w_up, w_down), scales, _ = fp8_params(256, 1024, 256, device, False)
+    x = torch.randn(1, 256, dtype=torch.bfloat16, device=device)
+    outputs = []
+    for clear in (False, True):
+        h = torch.empty(1, 1024, dtype=FP8, device=device)
+        h_scale = torch.empty(8, 1, dtype=torch.float32, device=device)
+        counters = gemm.later_split_k_counters(x.device).fill_(7) if clear else None
+        gemm.gemm_gated_fp8(
+            x, None, w_gate, scales[0], w_up, scales[1], h, h_scale, gemm.GELU_TANH,
+            torch.bfloat16, clear=counters,
+        )  # fmt: skip
+        if clear:
+            assert not counters.any()
+        out = torch.full((1, 256), float("nan"), dtype=torch.bfloat16, device=device)
+        gemm._PLANS.clear()
+        gemm.gemm_fp8(h, h_scale, w_down, scales[2], out, counters=counters)
+        assert [p.split for p in gemm._PLANS.values()] == [2]  # the down GEMM splits K
+        if clear:
+            assert not counters.any()
+        outputs.append((h.view(torch.uint8), h_scale, out))
+    for a, b in zip(*outputs):
+        assert torch.equal(a, b)
+    h, h_scale, out = outputs[0]
+    few = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="later_split_k_counters"):
+        gemm.gemm_fp8(h.view(FP8), h_scale, w_down, scales[2], out, counters=few)
+    odd = torch.zeros(3, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="power of two"):
+        gemm.gemm_gated_fp8(
+            x, None, w_gate, scales[0], w_up, scales[1], h.view(FP8), h_scale,
+            gemm.GELU_TANH, torch.bfloat16, clear=odd,
+        )  # fmt: skip
+
+
 @pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")
 def test_fp8_mlp_in_cuda_graph(fused_geglu, device, monkeypatch):
     """Captured in a CUDA graph, geglu_mlp_fp8 runs the two kernels (x quantized in the
-    dual GEMM), also at the token counts that eager calls run in one launch; the replays
-    give what those kernels give eagerly (deterministic split-K sums: equal), and the
-    eager one launch is within the rule (its down product sums in f16 MMAs, the down
+    dual GEMM), also at the token counts that eager calls run in one launch, and nothing
+    else: the dual GEMM zeroes the down GEMM's split-K counters (no memset node); the
+    replays give what those kernels give eagerly (deterministic split-K sums: equal), and
+    the eager one launch is within the rule (its down product sums in f16 MMAs, the down
     GEMM's in e4m3: not equal)."""
-    weights, scales, biases = fp8_params(256, 384, 256, device, True)
+    weights, scales, biases = fp8_params(256, 1024, 256, device, True)
     launched = spy_launches(fused_geglu, monkeypatch)
     for tokens in (1, fused_geglu.gemm.MLP_MAX_TOKENS):
         x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
@@ -818,12 +859,24 @@ def test_fp8_mlp_in_cuda_graph(fused_geglu, device, monkeypatch):
             with torch.cuda.graph(graph):
                 out = fused_geglu.geglu_mlp_fp8(*args, *biases)
         assert launched == ["gemm_kernel", "gemm_kernel"], tokens
+        assert any(p.split > 1 for p in fused_geglu.gemm._PLANS.values())  # the down's
         launched.clear()
         for _ in range(3):
             out.zero_()
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, expected), tokens
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]
+        ) as p:
+            graph.replay()
+            torch.cuda.synchronize()
+        gpu = [
+            e.name
+            for e in p.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
+        assert gpu == ["gemm_kernel", "gemm_kernel"], (tokens, gpu)
 
 
 # A fresh process: no kernel of the capture path has run before the warm-up.

@@ -372,6 +372,26 @@ def check_fp8_quantize_operands(op: str, x, up, q, s, rows: int, cols: int) -> N
     check_fp8_scale_out(op, s, -(-cols // 128), rows, "s")
 
 
+def check_split_k_counters(op: str, name: str, counters, device, at_least: int) -> None:
+    """gemm.later_split_k_counters: int32, contiguous, on the GEMM's device, a power of two
+    of them (the kernel zeroes them in one block) and at least one per program."""
+    if counters is None:
+        return
+    n = counters.numel()
+    if (
+        counters.dtype != torch.int32
+        or not counters.is_contiguous()
+        or counters.device != device
+        or n & (n - 1)
+        or n < at_least
+    ):
+        raise ValueError(
+            f"{op}: {name} must be gemm.later_split_k_counters: contiguous int32 on "
+            f"{device}, a power of two of them and at least {at_least}; got "
+            f"{tuple(counters.shape)} {counters.dtype} on {counters.device}"
+        )
+
+
 def check_contiguous(op: str, **tensors: torch.Tensor | None) -> None:
     """Outputs the GEMM kernels write as contiguous rows (the stored pre-activations)."""
     bad = {n: t for n, t in tensors.items() if t is not None and not t.is_contiguous()}

@@ -30,6 +30,7 @@ bounded BoundedCache, so a repeated call costs a dict lookup and the launch.
 from dataclasses import dataclass
 
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .checks import (
@@ -37,6 +38,7 @@ from .checks import (
     check_fp8_gemm_a,
     check_fp8_quantize_operands,
     check_fp8_scale_out,
+    check_split_k_counters,
 )
 from .gemm_kernels import (
     FP8_BLOCK,
@@ -265,6 +267,14 @@ def stream_scratch(
 _SPLIT_K_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def later_split_k_counters(device: torch.device) -> torch.Tensor:
+    """Split-K counters, not initialised, for a launch that an earlier launch on the stream
+    zeroes (gemm_gated_fp8's ``clear``, then gemm_fp8's ``counters``): where a fresh zeroed
+    tensor would be a memset node of its own in a CUDA graph."""
+    count = triton.next_power_of_2(num_programs(device))
+    return torch.empty(count, dtype=torch.int32, device=device)
+
+
 def _tma_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     """``(view, transposed)`` with a unit last stride that a TMA descriptor can describe: ``t``
     itself or ``t.T``; None when neither is (TMA needs a 16-byte-aligned base and row stride)."""
@@ -351,6 +361,7 @@ class Epilogue:
     quant_out: bool = False
     act_bf16: bool = False  # quant_out: h's dtype before quantization
     quant_a: bool = False  # fp8: a 16-bit A, quantized in the K loop (_Plan's QUANT_A)
+    clear: int = 0  # a later split-K launch's counters zeroed here (the portable CLEAR)
 
     def constexprs(self) -> dict:
         return {
@@ -381,7 +392,7 @@ class _Plan:
         swap = epi.fp8 and fp8_swap_ab(
             M, N, epi.gated, epi.quant_a, num_programs(device)
         )
-        self.tma = tma = tma and not swap
+        self.tma = tma = tma and not swap and not epi.clear
         self.cfg = cfg = gemm_config(
             M, N, K, dtype, epi.gated, tma, extra_tiles, epi.fp8, swap
         )
@@ -411,6 +422,7 @@ class _Plan:
                 "QUANT_A": epi.quant_a,
                 "SWAP_AB": swap,
                 "SPLIT_K": self.split,
+                "CLEAR": epi.clear,
                 "EVEN_K": K % cfg.block_k == 0,
             }
             self.launchers = Launcher(gemm_kernel, self.constexprs)
@@ -444,9 +456,12 @@ def _rows(t: torch.Tensor) -> tuple[int, int, tuple[int, int]]:
 
 
 def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
-          preact_up=None, z=None, bias_grad=None, scales=(None,) * 4) -> None:  # fmt: skip
+          preact_up=None, z=None, bias_grad=None, scales=(None,) * 4, clear=None,
+          counters=None) -> None:  # fmt: skip
     """``a`` and ``c``: 2-D, or contiguous of any rank (seen as rows); ``scales``: FP8's
-    (a_scale, b_scale, b_up_scale, c_scale)."""
+    (a_scale, b_scale, b_up_scale, c_scale); ``clear``: later_split_k_counters that this
+    launch zeroes (``epi``'s clear: their number), and ``counters``: ones an earlier
+    launch zeroed, for this launch's split-K."""
     M, K, stride_a = _rows(a)
     N = b.shape[0]
     if M == 0 or N == 0:
@@ -491,14 +506,16 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         plan = _PLANS.get(key)
         if plan is None:
             plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), False)
-    ws = counters = None
-    if plan.split > 1:
+    ws = None
+    if plan.split > 1 and counters is None:
         ws, counters = stream_scratch(
             _SPLIT_K_SCRATCH, device, plan.ws_numel, num_programs(device), False
         )
+    elif plan.split > 1:  # counters an earlier launch zeroed (CLEAR); a fresh workspace
+        ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=device)
     plan.launchers(
         plan.tiles * plan.split, a, b, b_up, bias, bias_up, c, preact, preact_up, z,
-        bias_grad, ws, counters, *scales, M, N, K, *strides,
+        bias_grad, ws, counters, clear, *scales, M, N, K, *strides,
     )  # fmt: skip
 
 
@@ -663,12 +680,18 @@ def gemm_fp8(
     c: torch.Tensor,  # [M, N], 16-bit
     *,
     bias: torch.Tensor | None = None,  # [N]
+    counters: torch.Tensor | None = None,  # later_split_k_counters, zeroed by then
 ) -> None:
     """c = (a * a_scale) @ (b * b_scale)^T + bias, each scale over its 128-wide blocks;
-    the fp32 product of each K block is scaled as it is added."""
+    the fp32 product of each K block is scaled as it is added. ``counters``: a split-K's,
+    zeroed by an earlier launch (gemm_gated_fp8's ``clear``)."""
     check_fp8_gemm_a("gemm_fp8", a, a_scale, max_16_bit_rows=0)
+    check_split_k_counters(
+        "gemm_fp8", "counters", counters, a.device, num_programs(a.device)
+    )
     epi = (NO_ACT, False, False, NO_ACT, False, False, bias is not None, True)
-    _gemm(a, b, c, epi, bias=bias, scales=(a_scale, b_scale, None, None))
+    scales = (a_scale, b_scale, None, None)
+    _gemm(a, b, c, epi, bias=bias, scales=scales, counters=counters)
 
 
 def gemm_gated_fp8(
@@ -685,20 +708,25 @@ def gemm_gated_fp8(
     *,
     bias_gate: torch.Tensor | None = None,  # [N]
     bias_up: torch.Tensor | None = None,  # [N]
+    clear: torch.Tensor | None = None,  # later_split_k_counters
 ) -> None:
     """h, h_scale = quantize_rows(round(act(gate)) * up) per row and 128 columns, with
     gate/up the FP8 products as gemm_fp8's, rounded to ``act_dtype``: what the down
     projection's FP8 GEMM reads. A 16-bit ``a`` is quantized in the K loop as
-    quantize_fp8 would (the same q and scales): one launch fewer at decode sizes."""
+    quantize_fp8 would (the same q and scales): one launch fewer at decode sizes.
+    ``clear``: counters the launch zeroes for the down GEMM's split-K (the portable kernel
+    then runs)."""
     check_fp8_gemm_a("gemm_gated_fp8", a, a_scale, max_16_bit_rows=FP8_QUANT_A_ROWS)
     check_fp8_scale_out(
         "gemm_gated_fp8", h_scale, cdiv(b_gate.shape[0], FP8_BLOCK), _rows(a)[0]
     )
+    check_split_k_counters("gemm_gated_fp8", "clear", clear, a.device, 1)
     epi = (activation, True, False, NO_ACT, False, False, bias_gate is not None, True,
-           True, act_dtype == torch.bfloat16, a_scale is None)  # fmt: skip
+           True, act_dtype == torch.bfloat16, a_scale is None,
+           0 if clear is None else clear.numel())  # fmt: skip
     _gemm(
         a, b_gate, h, epi, b_up=b_up, bias=bias_gate, bias_up=bias_up,
-        scales=(a_scale, gate_scale, up_scale, h_scale),
+        scales=(a_scale, gate_scale, up_scale, h_scale), clear=clear,
     )  # fmt: skip
 
 

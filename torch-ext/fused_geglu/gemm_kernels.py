@@ -31,6 +31,9 @@ its strides, so transposes are free. Constexpr flags select the fused work:
                an fp32 workspace; the last to finish adds the slices in a fixed order
                (deterministic) and applies the epilogue: decode shapes with fewer output
                tiles than SMs stream their weights with every SM
+  CLEAR        (portable kernel) program 0 zeroes CLEAR int32 counters (a power of two)
+               of a later SPLIT_K launch on the stream: in a CUDA graph they need no
+               memset node of their own
 The host side (configurations, descriptors, launches) is gemm.py.
 """
 
@@ -282,6 +285,7 @@ def gemm_kernel(
     bias_grad_ptr,  # [M] fp32 (BIAS_GRAD)
     ws_ptr,  # fp32 [tiles, SPLIT_K, 1 or 2, BLOCK_M, BLOCK_N] (SPLIT_K > 1)
     counters_ptr,  # int32 [>= tiles], zero (SPLIT_K > 1)
+    clear_ptr,  # int32 [CLEAR]: zeroed (CLEAR > 0)
     a_scale_ptr,  # fp32 [K/128, M] (FP8, not QUANT_A)
     b_scale_ptr,  # fp32 [N/128, K/128] (FP8)
     b_up_scale_ptr,  # fp32, b_scale_ptr's strides (FP8 and GATED)
@@ -317,6 +321,7 @@ def gemm_kernel(
     QUANT_A: tl.constexpr,
     SWAP_AB: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    CLEAR: tl.constexpr,
     EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -326,6 +331,8 @@ def gemm_kernel(
 ):
     """Portable path: pointer loads through any strides, SPLIT_K programs per output tile
     (adjacent program ids: they finish together)."""
+    if CLEAR > 0 and tl.program_id(0) == 0:
+        tl.store(clear_ptr + tl.arange(0, CLEAR), tl.zeros((CLEAR,), dtype=tl.int32))
     c_dtype = c_ptr.dtype.element_ty
     if QUANT_OUT:
         dtype = tl.bfloat16 if ACT_BF16 else tl.float16

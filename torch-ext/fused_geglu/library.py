@@ -37,7 +37,9 @@ from .gemm import (
     gemm_fp8_cublas,
     gemm_gated,
     gemm_gated_fp8,
+    later_split_k_counters,
     quantize_fp8,
+    tma_applies,
 )
 from .launch import cdiv
 
@@ -406,15 +408,25 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
     h = _empty(x, rows, i, dtype=fp8)
     h_scale = _empty(x, cdiv(i, FP8_BLOCK), rows, dtype=torch.float32)
     h_out, h_scale_out = (h[:m], h_scale[:, :m]) if rows > m else (h, h_scale)
+    # In a CUDA graph, zeroed split-K counters for the down GEMM would be a memset node
+    # of their own: the dual GEMM zeroes them, where it runs the portable kernel anyway.
+    counters = None
+    if (
+        not cublas
+        and not tma_applies(m, x.dtype, x.device)
+        and x.is_cuda
+        and torch.cuda.is_current_stream_capturing()
+    ):
+        counters = later_split_k_counters(x.device)
     gemm_gated_fp8(
         x_q, x_scale, w_gate, gate_scale, w_up, up_scale, h_out, h_scale_out, act,
-        x.dtype, bias_gate=b_gate, bias_up=b_up,
+        x.dtype, bias_gate=b_gate, bias_up=b_up, clear=counters,
     )  # fmt: skip
     if cublas:
         out = gemm_fp8_cublas(h, h_scale, w_down, down_scale, x.dtype)
         return out[:m].view(*x.shape[:-1], n)
     out = _empty(x, *x.shape[:-1], n)
-    gemm_fp8(h, h_scale, w_down, down_scale, out, bias=b_down)
+    gemm_fp8(h, h_scale, w_down, down_scale, out, bias=b_down, counters=counters)
     return out
 
 

@@ -21,3 +21,19 @@ def spy_launches(fused_geglu, monkeypatch) -> list[str]:
     monkeypatch.setattr(launcher, "__call__", call)
     monkeypatch.setattr(launcher, "launch_aligned", launch_aligned)
     return launched
+
+
+def spy_unused_arguments(fused_geglu, monkeypatch) -> dict[int, set[tuple[int, ...]]]:
+    """A dict that receives, per Launcher (by id), the positions of the None arguments of
+    each call from now on: a launcher's direct launch needs the same ones every call."""
+    launcher = fused_geglu.launch.Launcher
+    unused = {}
+    real_call = launcher.__call__
+
+    def call(self, grid, *args):
+        nones = tuple(i for i, a in enumerate(args) if a is None)
+        unused.setdefault(id(self), set()).add(nones)
+        return real_call(self, grid, *args)
+
+    monkeypatch.setattr(launcher, "__call__", call)
+    return unused

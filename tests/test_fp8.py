@@ -6,7 +6,7 @@ here as on the GPU; ``quantize_rows``' conversion to e4m3 is checked value by va
 import pytest
 import torch
 from conftest import HAS_GPU, ROOT, run_python
-from launches import spy_launches
+from launches import spy_launches, spy_unused_arguments
 from reference import (
     FP8,
     accumulation_floor,
@@ -830,6 +830,30 @@ def test_dual_gemm_clears_the_down_gemms_counters(fused_geglu, device):
             x, None, w_gate, scales[0], w_up, scales[1], h.view(FP8), h_scale,
             gemm.GELU_TANH, torch.bfloat16, clear=odd,
         )  # fmt: skip
+
+
+def test_counters_unused_without_split_k(fused_geglu, device, monkeypatch):
+    """Counters handed to a gemm_fp8 whose plan does not split K (the MLP hands them to
+    every down GEMM it captures on the portable kernels) reach its kernel as None, as
+    without them: one launcher sees None at the same positions in every call (a capture
+    that handed them, then an eager call that did not, failed on the H200)."""
+    gemm = fused_geglu.gemm
+    (_, _, w_down), scales, _ = fp8_params(128, 128, 256, device, False)
+    a = torch.empty(16, 128, dtype=FP8, device=device)
+    a_scale = torch.empty(1, 16, dtype=torch.float32, device=device)
+    gemm.quantize_fp8(
+        torch.randn(16, 128, dtype=torch.bfloat16, device=device), a, a_scale
+    )
+    unused = spy_unused_arguments(fused_geglu, monkeypatch)
+    gemm._PLANS.clear()
+    outputs = []
+    for counters in (gemm.later_split_k_counters(a.device).zero_(), None):
+        out = torch.full((16, 256), float("nan"), dtype=torch.bfloat16, device=device)
+        gemm.gemm_fp8(a, a_scale, w_down, scales[2], out, counters=counters)
+        outputs.append(out)
+    assert [p.split for p in gemm._PLANS.values()] == [1]  # one K block: no split
+    assert [len(patterns) for patterns in unused.values()] == [1]
+    assert torch.equal(*outputs) and not outputs[0].isnan().any()
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")

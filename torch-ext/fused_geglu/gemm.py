@@ -507,11 +507,13 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         if plan is None:
             plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), False)
     ws = None
-    if plan.split > 1 and counters is None:
+    if plan.split == 1:  # no split-K: its kernel takes no counters (None at every call)
+        counters = None
+    elif counters is None:
         ws, counters = stream_scratch(
             _SPLIT_K_SCRATCH, device, plan.ws_numel, num_programs(device), False
         )
-    elif plan.split > 1:  # counters an earlier launch zeroed (CLEAR); a fresh workspace
+    else:  # counters an earlier launch zeroed (CLEAR); a fresh workspace
         ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=device)
     plan.launchers(
         plan.tiles * plan.split, a, b, b_up, bias, bias_up, c, preact, preact_up, z,
@@ -684,7 +686,8 @@ def gemm_fp8(
 ) -> None:
     """c = (a * a_scale) @ (b * b_scale)^T + bias, each scale over its 128-wide blocks;
     the fp32 product of each K block is scaled as it is added. ``counters``: a split-K's,
-    zeroed by an earlier launch (gemm_gated_fp8's ``clear``)."""
+    zeroed by an earlier launch (gemm_gated_fp8's ``clear``); unused where the plan does
+    not split K."""
     check_fp8_gemm_a("gemm_fp8", a, a_scale, max_16_bit_rows=0)
     check_split_k_counters(
         "gemm_fp8", "counters", counters, a.device, num_programs(a.device)

@@ -222,7 +222,8 @@ class Launcher:
 
     def __call__(self, grid: int, *args) -> None:
         """``args``: the kernel's runtime parameters in order, None where unused (Triton
-        compiles those out)."""
+        compiles those out): None at the same positions in every call, as the compiled
+        kernel's are."""
         if self.binary is not None and not _launch_hooks_set():
             device = self.device()
             for i in self.pointers:

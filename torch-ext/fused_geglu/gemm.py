@@ -148,13 +148,18 @@ def fp8_config(M: int, gated: bool, tma: bool, swap: bool) -> GemmConfig:
     gated GEMM with 8 warps, 4 stages, the best of 4/8 warps and 3/4/6 stages at 1, 16
     and 64 tokens (exploration/2026-12-02T03-*-fp8-decode-*.json); the single one's
     tokens in tiles of 16 up to 16 rows, 64 up to 128, 128 beyond
-    (exploration/2026-12-02T04-*-fp8-down-sweep.json)."""
+    (exploration/2026-12-02T04-*-fp8-down-sweep.json), 8 warps up to 16 rows and 3 stages
+    from 17 to 64, the best in the MLP's graph of 4/8 warps, 3/4/6 stages, 64/128 weight
+    rows and split-K 4/8/16 (exploration/2026-12-02T13-*-fp8-down-graph-sweep.json)."""
     block_n = FP8_BLOCK if gated else 64
     if INTERPRETED:
         return GemmConfig(32, block_n, FP8_BLOCK, 4, 4, 1)
     if M <= 64 or swap:
         rows = 16 if M <= 16 else 64 if M <= 128 else 128  # tokens per tile
-        return GemmConfig(rows, block_n, FP8_BLOCK, 1, 8 if gated else 4, 4)
+        if gated:
+            return GemmConfig(rows, block_n, FP8_BLOCK, 1, 8, 4)
+        warps, stages = (8, 4) if M <= 16 else (4, 3) if M <= 64 else (4, 4)
+        return GemmConfig(rows, block_n, FP8_BLOCK, 1, warps, stages)
     if tma:
         return GemmConfig(128, FP8_BLOCK, FP8_BLOCK, 8 if gated else 16, 8, 4)
     return GemmConfig(64, FP8_BLOCK, FP8_BLOCK, 8, 4, 3)

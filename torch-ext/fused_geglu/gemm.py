@@ -156,9 +156,7 @@ def fp8_config(M: int, gated: bool, tma: bool, swap: bool) -> GemmConfig:
         return GemmConfig(32, block_n, FP8_BLOCK, 4, 4, 1)
     if M <= 64 or swap:
         rows = 16 if M <= 16 else 64 if M <= 128 else 128  # tokens per tile
-        if gated:
-            return GemmConfig(rows, block_n, FP8_BLOCK, 1, 8, 4)
-        warps, stages = (8, 4) if M <= 16 else (4, 3) if M <= 64 else (4, 4)
+        warps, stages = (8, 4) if gated or M <= 16 else (4, 3) if M <= 64 else (4, 4)
         return GemmConfig(rows, block_n, FP8_BLOCK, 1, warps, stages)
     if tma:
         return GemmConfig(128, FP8_BLOCK, FP8_BLOCK, 8 if gated else 16, 8, 4)

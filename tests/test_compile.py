@@ -36,7 +36,7 @@ fp8 = torch.float8_e4m3fn
 
 
 def compiled(kernel, args: dict, constexprs: dict, options: dict) -> None:
-    signature, values = {}, {}
+    signature, values, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
         if p.is_constexpr:
             signature[p.name], values[(i,)] = "constexpr", constexprs[p.name]
@@ -45,12 +45,16 @@ def compiled(kernel, args: dict, constexprs: dict, options: dict) -> None:
         if value is None:
             signature[p.name], values[(i,)] = "constexpr", None
             continue
-        # (type, specialisation); an int equal to 1 becomes the constexpr 1, as in a launch
-        kind, _ = native_specialize_impl(BACKEND, value, False, True, True)
+        # (type, specialisation) as in a launch: an int equal to 1 becomes the constexpr 1,
+        # 16-byte-aligned pointers and multiples of 16 get their divisibility attribute
+        # (without it loads do not vectorise, and registers and spills differ)
+        kind, key = native_specialize_impl(BACKEND, value, False, True, True)
         signature[p.name] = kind
         if kind == "constexpr":
             values[(i,)] = value
-    src = ASTSource(fn=kernel, signature=signature, constexprs=values)
+        elif isinstance(key, str):
+            attrs[(i,)] = BACKEND.parse_attr(key)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=values, attrs=attrs)
     binary = compile(src, target=TARGET, options=options)
     assert binary.asm["cubin"], "no cubin"
 
@@ -125,7 +129,8 @@ def tma_gemm(M, N, K, dtype, epi, a_t=False, b_t=False):
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     a_block = [bk, bm] if a_t else [bm, bk]
     if epi.gated:
-        b_desc = TensorDescriptor.from_tensor(t(2, N, K, dtype=dtype), [2, bn, bk])
+        boxes = 1 if epi.fp8 else 2  # FP8: one dot per weight (gemm._stacked_weights)
+        b_desc = TensorDescriptor.from_tensor(t(2, N, K, dtype=dtype), [boxes, bn, bk])
     else:
         b_desc = TensorDescriptor.from_tensor(t(N, K, dtype=dtype),
                                               [bk, bn] if b_t else [bn, bk])

@@ -291,10 +291,11 @@ def _tma_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     return None
 
 
-def _stacked_weights(b, b_up, block_n, block_k):
+def _stacked_weights(b, b_up, block_n, block_k, boxes):
     """One [2, N, K] descriptor over two [N, K] weights wherever they lie: its outer stride
     is the distance between them (TMA addresses any 16-byte-aligned stride), so the gate and
-    up tiles arrive as one box. Returns (descriptor, up_first) or None."""
+    up tiles arrive as one box (``boxes`` 2), or as two of one descriptor (1: FP8, one
+    dot per weight). Returns (descriptor, up_first) or None."""
     lo, hi, up_first = (
         (b, b_up, False) if b_up.data_ptr() > b.data_ptr() else (b_up, b, True)
     )
@@ -310,7 +311,7 @@ def _stacked_weights(b, b_up, block_n, block_k):
         return None
     (n, k), es = lo.shape, lo.element_size()
     desc = TensorDescriptor(
-        lo, [2, n, k], [gap // es, lo.stride(0), 1], [2, block_n, block_k]
+        lo, [2, n, k], [gap // es, lo.stride(0), 1], [boxes, block_n, block_k]
     )
     return desc, up_first
 
@@ -336,7 +337,8 @@ def _tma_descriptors(a, b, b_up, z, c, preacts, cfg: GemmConfig):
     a_block = [cfg.block_k, cfg.block_m] if a_t else [cfg.block_m, cfg.block_k]
     up_first = False
     if b_up is not None:
-        stacked = _stacked_weights(b, b_up, cfg.block_n, cfg.block_k)
+        boxes = 1 if b.dtype == torch.float8_e4m3fn else 2
+        stacked = _stacked_weights(b, b_up, cfg.block_n, cfg.block_k, boxes)
         if stacked is None:
             return None
         b_desc, up_first = stacked

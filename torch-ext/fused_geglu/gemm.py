@@ -74,9 +74,6 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
-    # The TMA kernel's persistent grid, per SM: two co-resident programs let one scale its
-    # FP8 products while the other's MMAs run (Triton waits for each before scaling it).
-    programs_per_sm: int = 1
 
     def constexprs(self) -> dict:
         return {
@@ -146,9 +143,7 @@ def fp8_config(M: int, gated: bool, tma: bool, swap: bool) -> GemmConfig:
     """FP8 GEMMs: BLOCK_K is the scale block (128); a gated GEMM's BLOCK_N too (it
     quantizes h per 128 columns), and a single one's divides it. On the H200 the TMA
     tiles hardly mattered at 8192 tokens (2.40-2.45 ms for the MLP over the sweep in
-    benchmarks/results/exploration/*-fp8-tune.json); 64-row tiles were slower, except
-    for the single GEMM's with two programs per SM, 1-11% faster from 1024 to 8192 rows
-    (exploration/2026-12-02T17-*-fp8-dual-two-dots.json). Decode
+    benchmarks/results/exploration/*-fp8-tune.json); 64-row tiles were slower. Decode
     (up to 64 rows) and the swapped single GEMM (``swap``, up to FP8_SWAP_ROWS): the
     gated GEMM with 8 warps, 4 stages, the best of 4/8 warps and 3/4/6 stages at 1, 16
     and 64 tokens (exploration/2026-12-02T03-*-fp8-decode-*.json); the single one's
@@ -163,10 +158,8 @@ def fp8_config(M: int, gated: bool, tma: bool, swap: bool) -> GemmConfig:
         rows = 16 if M <= 16 else 64 if M <= 128 else 128  # tokens per tile
         warps, stages = (8, 4) if gated or M <= 16 else (4, 3) if M <= 64 else (4, 4)
         return GemmConfig(rows, block_n, FP8_BLOCK, 1, warps, stages)
-    if tma and gated:
-        return GemmConfig(128, FP8_BLOCK, FP8_BLOCK, 8, 8, 4)
-    if tma:  # 90 KB of shared memory and 157 registers: two programs fit an SM
-        return GemmConfig(64, FP8_BLOCK, FP8_BLOCK, 16, 4, 3, programs_per_sm=2)
+    if tma:
+        return GemmConfig(128, FP8_BLOCK, FP8_BLOCK, 8 if gated else 16, 8, 4)
     return GemmConfig(64, FP8_BLOCK, FP8_BLOCK, 8, 4, 3)
 
 
@@ -507,7 +500,7 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         if descs is not None:
             (a_d, b_d, z_d, c_d, pre_d, pre_up_d), a_t, b_t, up_first = descs
             launcher = plan.tma_launcher(a_t, b_t, up_first, b_d)
-            grid = min(plan.tiles, plan.cfg.programs_per_sm * num_programs(device))
+            grid = min(plan.tiles, num_programs(device))
             launcher(
                 grid, a_d, b_d, z_d, c_d, bias, bias_up, pre_d, pre_up_d, bias_grad,
                 *scales, M, N, K, *strides[-5:],

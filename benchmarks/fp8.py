@@ -200,10 +200,10 @@ def tune(ours, fp8_mlp) -> list:
     ]
     for gated, bm, bn, warps, stages, group in candidates:
 
-        def config(M, g, tma, *, _c=(gated, bm, bn, warps, stages, group)):
+        def config(M, g, tma, *rest, _c=(gated, bm, bn, warps, stages, group)):
             if g == _c[0] and tma and M > 64:
                 return gemm.GemmConfig(_c[1], _c[2], 128, _c[5], _c[3], _c[4])
-            return real(M, g, tma)
+            return real(M, g, tma, *rest)
 
         gemm.fp8_config = config
         gemm._PLANS.clear()

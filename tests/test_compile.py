@@ -82,10 +82,10 @@ def fp8_scales(epi):
             "stride_bsn": 16, "stride_bsk": 1, "stride_cs": 64 if epi.quant_out else None}
 
 
-def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False):
-    # quant_a: an FP8 GEMM's A in bf16, quantized in the K loop
-    swap = epi.fp8 and gemm.fp8_swap_ab(M, N, epi.gated, quant_a, 132)  # an H200's SMs
-    cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, False, False, epi.fp8, swap)
+def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False, b_tma=False):
+    # quant_a: an FP8 GEMM's A in bf16, quantized in the K loop; b_tma: B's descriptors
+    swap = epi.fp8 and gemm.fp8_swap_ab(M, N, epi.gated, quant_a, 132, b_tma)  # H200 SMs
+    cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, False, False, epi.fp8, swap, b_tma)
     names = [p.name for p in gk.gemm_kernel.params if not p.is_constexpr]
     c_dtype = fp8 if epi.quant_out else bf16 if epi.fp8 else dtype
     args = {n: None for n in names}
@@ -113,9 +113,13 @@ def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False):
         args["a_scale_ptr"] = None
     if epi.clear:
         args["clear_ptr"] = t(epi.clear, dtype=torch.int32)
+    if b_tma:
+        box = [cfg.block_n, cfg.block_k]
+        for name in ("b_ptr", "b_up_ptr") if epi.gated else ("b_ptr",):
+            args[name] = TensorDescriptor.from_tensor(t(N, K, dtype=dtype), box)
     consts = {**epi.constexprs(), **cfg.constexprs(), "SPLIT_K": split,
               "QUANT_A": quant_a, "CLEAR": epi.clear,
-              "SWAP_AB": swap,
+              "SWAP_AB": swap, "B_TMA": b_tma,
               "EVEN_K": K % cfg.block_k == 0,
               "INPUT_PRECISION": gemm._input_precision(dtype)}
     options = {k: consts.pop(k) for k in ("num_warps", "num_stages")}
@@ -162,6 +166,7 @@ def decode_mlp(H, I, N, dtype, bias, fp8_weights=False):
     cfg = gemm.mlp_config(H, I, dtype, "cuda", fp8_weights) if fp8_weights else {
         "BLOCK_I": 128, "BLOCK_K": 128 if dtype != fp32 else 64,
         "BLOCK_N": 256 if dtype != fp32 else 128,
+        "BLOCK_FINAL": 1024,
         "num_warps": 8, "num_stages": 3}
     names = [p.name for p in gk.geglu_mlp_kernel.params if not p.is_constexpr]
     args = {n: t(64, dtype=dtype) for n in names if n.endswith("_ptr")}
@@ -224,13 +229,22 @@ CASES = {
     "fp8 gemm 64 rows, gated, h quantized": portable_gemm(
         64, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
                                 quant_out=True, act_bf16=True)),
+    "fp8 gemm 64 rows, gated, h quantized, weights through TMA (swapped)": portable_gemm(
+        64, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
+                                quant_out=True, act_bf16=True), b_tma=True),
     "fp8 gemm decode, down, swapped, split 8": portable_gemm(
         16, 2048, 16384, fp8, E(fp8=True), split=8),
+    "fp8 gemm 64 rows, down, weights through TMA, split 8": portable_gemm(
+        64, 2048, 16384, fp8, E(fp8=True), split=8, b_tma=True),
     "fp8 gemm 256 rows, down, swapped, 128-token tiles, split 2": portable_gemm(
         256, 2048, 16384, fp8, E(fp8=True), split=2),
     "fp8 gemm decode, gated, x quantized in the loop, swapped, clears counters": portable_gemm(
         1, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
                                quant_out=True, act_bf16=True, clear=256), quant_a=True),
+    "fp8 gemm decode, gated, x quantized in the loop, weights through TMA": portable_gemm(
+        16, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
+                                quant_out=True, act_bf16=True, clear=256), quant_a=True,
+        b_tma=True),
     "fp8 tma dual gemm, h quantized, bias": tma_gemm(
         8192, 16384, 2048, fp8, E(activation=gemm.GELU, gated=True, has_bias=True,
                                   fp8=True, quant_out=True, act_bf16=True)),
@@ -264,6 +278,6 @@ def test_every_kernel_compiles_for_hopper():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 22
+    assert len(results) == 25
     failed = {name: error for name, error in results.items() if error is not None}
     assert not failed, json.dumps(failed, indent=1)

@@ -832,6 +832,47 @@ def test_dual_gemm_clears_the_down_gemms_counters(fused_geglu, device):
         )  # fmt: skip
 
 
+def test_decode_gemms_read_weights_through_tma(fused_geglu, device, monkeypatch):
+    """Up to 64 rows the FP8 GEMMs read weights that TMA can describe as they lie through
+    descriptors (B_TMA), other weights through pointers: the same h and output at 16
+    tokens (both swapped, one order of sums), both within the float64 rule at 40 (there
+    the dual GEMM's products swap with TMA)."""
+    gemm = fused_geglu.gemm
+    weights, scales, biases = fp8_params(256, 384, 256, device, True)
+    w = weights[0]
+    assert gemm.fp8_weights_through_tma(64, w, weights[1])
+    assert not gemm.fp8_weights_through_tma(65, w, weights[1])  # the TMA kernel's
+    assert not gemm.fp8_weights_through_tma(16, w.T.contiguous().T, None)  # transposed
+    assert not gemm.fp8_weights_through_tma(16, w[:, 8:], None)  # 8-byte-aligned rows
+    assert not gemm.fp8_weights_through_tma(16, w.to(torch.bfloat16), None)
+    real = gemm.fp8_weights_through_tma
+    for tokens in (16, 40):
+        x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
+        outputs = []
+        for through_tma in (True, False):
+            monkeypatch.setattr(
+                gemm, "fp8_weights_through_tma",
+                lambda M, b, b_up, on=through_tma: on and real(M, b, b_up),
+            )  # fmt: skip
+            gemm._PLANS.clear()
+            # the two kernels, not the one launch
+            torch.use_deterministic_algorithms(True)
+            try:
+                out = fused_geglu.geglu_mlp_fp8(
+                    x, weights[0], scales[0], weights[1], scales[1], weights[2],
+                    scales[2], *biases, approximate="tanh",
+                )  # fmt: skip
+            finally:
+                torch.use_deterministic_algorithms(False)
+            assert [p.b_tma for p in gemm._PLANS.values()] == [through_tma] * 2
+            check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu,
+                      f"{tokens} tokens, TMA {through_tma}")  # fmt: skip
+            outputs.append(out)
+        if tokens <= 16:
+            assert torch.equal(*outputs)
+    gemm._PLANS.clear()
+
+
 def test_counters_unused_without_split_k(fused_geglu, device, monkeypatch):
     """Counters handed to a gemm_fp8 whose plan does not split K (the MLP hands them to
     every down GEMM it captures on the portable kernels) reach its kernel as None, as

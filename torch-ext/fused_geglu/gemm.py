@@ -96,6 +96,7 @@ def gemm_config(
     extra_tiles: bool,
     fp8: bool = False,
     swap: bool = False,
+    b_tma: bool = False,
 ) -> GemmConfig:
     """Launch configuration by shape class (the one place it is chosen), from the H200 sweep
     in benchmarks/results/*-tune.json (Gemma-2B shapes, bf16).
@@ -111,10 +112,11 @@ def gemm_config(
     pre-activation): 128x128 tiles, chosen to fit 3 stages in 227 KB, not swept.
     Portable: 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages
     (gated). fp32 operands halve BLOCK_K to fit shared memory.
-    FP8: ``fp8_config`` (``swap``: fp8_swap_ab's decision).
+    FP8: ``fp8_config`` (``swap``: fp8_swap_ab's decision; ``b_tma``: the portable
+    kernel's B through TMA).
     """
     if fp8:
-        return fp8_config(M, gated, tma, swap)
+        return fp8_config(M, gated, tma, swap, b_tma)
     if INTERPRETED:
         return GemmConfig(32, 64, 32, 4, 4, 1)
     wide = dtype != torch.float32
@@ -139,7 +141,9 @@ def gemm_config(
     )
 
 
-def fp8_config(M: int, gated: bool, tma: bool, swap: bool) -> GemmConfig:
+def fp8_config(
+    M: int, gated: bool, tma: bool, swap: bool, b_tma: bool = False
+) -> GemmConfig:
     """FP8 GEMMs: BLOCK_K is the scale block (128); a gated GEMM's BLOCK_N too (it
     quantizes h per 128 columns), and a single one's divides it. On the H200 the TMA
     tiles hardly mattered at 8192 tokens (2.40-2.45 ms for the MLP over the sweep in
@@ -150,13 +154,16 @@ def fp8_config(M: int, gated: bool, tma: bool, swap: bool) -> GemmConfig:
     tokens in tiles of 16 up to 16 rows, 64 up to 128, 128 beyond
     (exploration/2026-12-02T04-*-fp8-down-sweep.json), 8 warps up to 16 rows and 3 stages
     from 17 to 64, the best in the MLP's graph of 4/8 warps, 3/4/6 stages, 64/128 weight
-    rows and split-K 4/8/16 (exploration/2026-12-02T13-*-fp8-down-graph-sweep.json)."""
+    rows and split-K 4/8/16 (exploration/2026-12-02T13-*-fp8-down-graph-sweep.json); with
+    its weight through TMA (``b_tma``) 4 stages from 17 to 64 rows, the best of 4/6/8 there
+    (exploration/2026-12-03T06-*-fp8-decode-tma-sweep.json)."""
     block_n = FP8_BLOCK if gated else 64
     if INTERPRETED:
         return GemmConfig(32, block_n, FP8_BLOCK, 4, 4, 1)
     if M <= 64 or swap:
         rows = 16 if M <= 16 else 64 if M <= 128 else 128  # tokens per tile
-        warps, stages = (8, 4) if gated or M <= 16 else (4, 3) if M <= 64 else (4, 4)
+        single_stages = 4 if b_tma or M > 64 else 3
+        warps, stages = (8, 4) if gated or M <= 16 else (4, single_stages)
         return GemmConfig(rows, block_n, FP8_BLOCK, 1, warps, stages)
     if tma:
         return GemmConfig(128, FP8_BLOCK, FP8_BLOCK, 8 if gated else 16, 8, 4)
@@ -171,13 +178,16 @@ def fp8_config(M: int, gated: bool, tma: bool, swap: bool) -> GemmConfig:
 FP8_SWAP_ROWS = 512
 
 
-def fp8_swap_ab(M: int, N: int, gated: bool, quant_a: bool, programs: int) -> bool:
+def fp8_swap_ab(
+    M: int, N: int, gated: bool, quant_a: bool, programs: int, b_tma: bool = False
+) -> bool:
     """Whether an FP8 GEMM runs SWAP_AB on the portable kernel (the weight tile as the MMA's
     rows, on Hopper's e4m3 MMA whatever the tokens): the single (down) GEMM up to 64 rows,
     and up to FP8_SWAP_ROWS where the TMA kernel would have fewer tiles than ``programs``
     (one per SM); the gated one where it quantizes its A itself (QUANT_A, at most
-    FP8_QUANT_A_ROWS rows). The H200 sweeps' best (benchmarks/NOTES.md)."""
-    if quant_a or (not gated and M <= 64):
+    FP8_QUANT_A_ROWS rows) or reads its weights through TMA (``b_tma``: up to 64 rows).
+    The H200 sweeps' best (benchmarks/NOTES.md)."""
+    if quant_a or (M <= 64 and (b_tma or not gated)):
         return True
     tma_tiles = cdiv(M, FP8_BLOCK) * cdiv(N, FP8_BLOCK)
     return not gated and M <= FP8_SWAP_ROWS and tma_tiles < programs
@@ -210,6 +220,26 @@ def tma_applies(M: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 _TMA_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+
+
+def fp8_weights_through_tma(M: int, b: torch.Tensor, b_up: torch.Tensor | None) -> bool:
+    """Whether a decode FP8 GEMM (at most 64 rows: the portable kernel) reads its weights
+    through TMA (B_TMA): where TMA can describe them as they lie, [N, K] rows of 16-byte
+    multiples. Faster than pointer loads at 1 to 64 tokens on the H200: fewer instructions
+    per byte streamed (benchmarks/NOTES.md)."""
+    return (
+        M <= 64
+        and b.dtype == torch.float8_e4m3fn
+        and has_tma(b.device)
+        and _tma_rows(b)
+        and (b_up is None or _tma_rows(b_up))
+    )
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor describes ``t`` as it lies (not transposed)."""
+    operand = _tma_operand(t)
+    return operand is not None and not operand[1]
 
 
 def tma_tiles_fill_gpu(M: int, N: int, K: int, dtype, device) -> bool:
@@ -387,19 +417,21 @@ class _Plan:
     """What a call signature needs beyond its tensors: the configuration, the kernel's
     launchers and the split."""
 
-    __slots__ = ("cfg", "constexprs", "launchers", "split", "tiles", "tma", "ws_numel")
+    __slots__ = ("b_tma", "cfg", "constexprs", "launchers", "split", "tiles", "tma",
+                 "ws_numel")  # fmt: skip
 
-    def __init__(self, M, N, K, dtype, device, epi: Epilogue, tma: bool):
+    def __init__(self, M, N, K, dtype, device, epi: Epilogue, tma: bool, b_tma: bool):
         extra_tiles = (
             epi.dact != NO_ACT or epi.accumulate or (epi.store_preact and not epi.gated)
         )
         # swapped FP8 products (QUANT_A's among them) are the portable kernel's
         swap = epi.fp8 and fp8_swap_ab(
-            M, N, epi.gated, epi.quant_a, num_programs(device)
+            M, N, epi.gated, epi.quant_a, num_programs(device), b_tma
         )
         self.tma = tma = tma and not swap and not epi.clear
+        self.b_tma = b_tma
         self.cfg = cfg = gemm_config(
-            M, N, K, dtype, epi.gated, tma, extra_tiles, epi.fp8, swap
+            M, N, K, dtype, epi.gated, tma, extra_tiles, epi.fp8, swap, b_tma
         )
         self.tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
         self.split = 1
@@ -426,6 +458,7 @@ class _Plan:
                 **self.constexprs,
                 "QUANT_A": epi.quant_a,
                 "SWAP_AB": swap,
+                "B_TMA": b_tma,
                 "SPLIT_K": self.split,
                 "CLEAR": epi.clear,
                 "EVEN_K": K % cfg.block_k == 0,
@@ -488,11 +521,12 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
     )  # fmt: skip
     # c's dtype too: an FP8 GEMM's differs from a's (e4m3), and a launcher's kernel is
     # compiled for one output dtype
-    key = (M, N, K, dtype, c.dtype, device, epi, strides)
+    b_tma = fp8_weights_through_tma(M, b, b_up)
+    key = (M, N, K, dtype, c.dtype, device, epi, strides, b_tma)
     plan = _PLANS.get(key)
     if plan is None:
         tma = K > 0 and tma_applies(M, dtype, device)
-        plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), tma)
+        plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), tma, b_tma)
     if plan.tma:
         a2 = a if a.dim() == 2 else a.view(M, K)
         c2 = c if c.dim() == 2 else c.view(M, N)
@@ -510,7 +544,9 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         key = (*key, "portable")
         plan = _PLANS.get(key)
         if plan is None:
-            plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), False)
+            plan = _PLANS[key] = _Plan(
+                M, N, K, dtype, device, Epilogue(*epi), False, b_tma
+            )
     ws = None
     if plan.split == 1:  # no split-K: its kernel takes no counters (None at every call)
         counters = None
@@ -520,6 +556,10 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         )
     else:  # counters an earlier launch zeroed (CLEAR); a fresh workspace
         ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=device)
+    if plan.b_tma:
+        box = [plan.cfg.block_n, plan.cfg.block_k]
+        b = TensorDescriptor.from_tensor(b, box)
+        b_up = None if b_up is None else TensorDescriptor.from_tensor(b_up, box)
     plan.launchers(
         plan.tiles * plan.split, a, b, b_up, bias, bias_up, c, preact, preact_up, z,
         bias_grad, ws, counters, clear, *scales, M, N, K, *strides,
@@ -802,24 +842,29 @@ def mlp_config(
     """geglu_mlp_kernel's tiles: one program per BLOCK_I intermediate columns, as many as
     fit one wave of the GPU (Gemma-2B, I = 16384: 128 programs of 128 columns), output
     tiles of 256 columns in 16 bits (fewer tiles to reduce); the H200 sweep's best
-    (benchmarks/results/*-tune-decode.json). FP8: every tile is 128 wide, the scale
-    block."""
+    (benchmarks/results/*-tune-decode.json); the last program reads the sums back 1024
+    columns at a time (BLOCK_FINAL: each exchange waits for its round trip to L2). FP8:
+    every other tile is 128 wide, the scale block; the down product swapped, 4 stages
+    (the H200 probes' best: benchmarks/NOTES.md)."""
     if fp8:
         return {"BLOCK_I": FP8_BLOCK, "BLOCK_K": FP8_BLOCK, "BLOCK_N": FP8_BLOCK,
+                "BLOCK_FINAL": 2 * FP8_BLOCK if INTERPRETED else 1024,
                 "num_warps": 4 if INTERPRETED else 8,
-                "num_stages": 1 if INTERPRETED else 3}  # fmt: skip
+                "num_stages": 1 if INTERPRETED else 4}  # fmt: skip
     if INTERPRETED:
         return {
             "BLOCK_I": 32,
             "BLOCK_K": 32,
             "BLOCK_N": 32,
+            "BLOCK_FINAL": 64,
             "num_warps": 4,
             "num_stages": 1,
         }
     block_i = 128 if cdiv(I, 128) >= num_programs(device) // 2 else 64
     wide = dtype != torch.float32  # fp32 tiles of twice the bytes: half as wide
     return {"BLOCK_I": block_i, "BLOCK_K": 128 if wide else 64,
-            "BLOCK_N": 256 if wide else 128, "num_warps": 8, "num_stages": 3}  # fmt: skip
+            "BLOCK_N": 256 if wide else 128, "BLOCK_FINAL": 1024, "num_warps": 8,
+            "num_stages": 3}  # fmt: skip
 
 
 # The one-launch MLP's fp32 sums [M, N] and its arrival count, both zero between launches

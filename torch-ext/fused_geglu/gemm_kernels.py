@@ -274,8 +274,8 @@ def _split_k_reduce(
 @triton.jit
 def gemm_kernel(
     a_ptr,  # [M, K] (FP8: e4m3, or 16-bit with QUANT_A)
-    b_ptr,  # [N, K]
-    b_up_ptr,  # [N, K] (GATED)
+    b_ptr,  # [N, K]; B_TMA: its descriptor, [BLOCK_N, BLOCK_K] boxes
+    b_up_ptr,  # [N, K] (GATED), as b_ptr
     bias_ptr,  # [N]
     bias_up_ptr,  # [N] (GATED)
     c_ptr,  # [M, N]
@@ -320,6 +320,7 @@ def gemm_kernel(
     ACT_BF16: tl.constexpr,
     QUANT_A: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    B_TMA: tl.constexpr,  # B (and B_up) through TMA: FP8 decode's weight streams
     SPLIT_K: tl.constexpr,
     CLEAR: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -353,11 +354,12 @@ def gemm_kernel(
     # Masked loads, not clamped indices: clamping hides the contiguity of a transposed
     # operand (dY^T, X^T in backward) from the compiler and kills vectorisation.
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
-    if GATED:
-        b_up_ptrs = (
-            b_up_ptr + offs_n[None, :] * stride_bun + offs_k[:, None] * stride_buk
-        )
+    if not B_TMA:
+        b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        if GATED:
+            b_up_ptrs = (
+                b_up_ptr + offs_n[None, :] * stride_bun + offs_k[:, None] * stride_buk
+            )
     if DACT != 0:
         z_ptrs = z_ptr + offs_m[:, None] * stride_zm + offs_k[None, :] * stride_zk
     offs_k = tl.arange(0, BLOCK_K)
@@ -372,7 +374,10 @@ def gemm_kernel(
     for k in range(k_first, k_end):
         a_mask, b_mask = _k_step_masks(mask_m, mask_n, offs_k, K - k * BLOCK_K, EVEN_K)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        if B_TMA:  # the weight's [BLOCK_N, BLOCK_K] box, zeros past its edges
+            b = b_ptr.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+        else:
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         if DACT != 0:
             a = _dact_prologue(a, tl.load(z_ptrs, mask=a_mask, other=0.0), DACT)
             z_ptrs += BLOCK_K * stride_zk
@@ -389,7 +394,10 @@ def gemm_kernel(
         else:
             acc1 = _dot(a, b, acc1, INPUT_PRECISION)
         if GATED:
-            b_up = tl.load(b_up_ptrs, mask=b_mask, other=0.0)
+            if B_TMA:
+                b_up = b_up_ptr.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+            else:
+                b_up = tl.load(b_up_ptrs, mask=b_mask, other=0.0)
             if FP8:
                 b_up_scale = tl.load(b_up_scale_ptr + b_block)
                 acc2 = _scaled_dot(
@@ -397,9 +405,11 @@ def gemm_kernel(
                 )
             else:
                 acc2 = _dot(a, b_up, acc2, INPUT_PRECISION)
-            b_up_ptrs += BLOCK_K * stride_buk
+            if not B_TMA:
+                b_up_ptrs += BLOCK_K * stride_buk
         a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        if not B_TMA:
+            b_ptrs += BLOCK_K * stride_bk
 
     if SWAP_AB:
         acc1 = acc1.T
@@ -625,6 +635,7 @@ def geglu_mlp_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_FINAL: tl.constexpr,  # the last program's columns per atomic exchange
 ):
     """The whole GeGLU MLP of a few tokens in one launch, for decode:
         out = round(h @ W_down^T + b_down),  h = round(act(gate)) * up (gemm_kernel's GATED)
@@ -632,7 +643,8 @@ def geglu_mlp_kernel(
     rows of W_gate and W_up, forms its slice of h in registers, multiplies it by the
     matching columns of W_down and adds the [M, N] partial product into fp32 ``sums``
     (atomics). The last program to arrive rounds the sums into ``out`` (with b_down) and
-    zeroes them again for the next launch. Every weight byte is read once, by one launch.
+    zeroes them again for the next launch, BLOCK_FINAL columns at a time (each exchange
+    waits for its round trip to L2: few and wide). Every weight byte is read once, by one launch.
     The order of the fp32 additions varies between launches (not bitwise reproducible).
     FP8: x is quantized per row and 128 columns as it is read, and h as the program forms
     it (its BLOCK_I = 128 columns are one scale block): transformers' FP8Linear inputs."""
@@ -695,10 +707,11 @@ def geglu_mlp_kernel(
             down_scale = tl.load(
                 down_scale_ptr + n * stride_dsn + tl.program_id(0) * stride_dsk
             )
+            # swapped, as gemm_kernel's down GEMM: the weight tile the e4m3 MMA's rows
             part = _scaled_dot(
-                h, w_down, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_scale,
-                down_scale, INPUT_PRECISION, False,
-            )  # fmt: skip
+                h, w_down, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), h_scale,
+                down_scale, INPUT_PRECISION, True,
+            ).T  # fmt: skip
         else:
             part = _dot(
                 h,
@@ -716,8 +729,9 @@ def geglu_mlp_kernel(
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel")
     if arrived == tl.num_programs(0) - 1:
-        for n in range(tl.cdiv(N, BLOCK_N)):
-            cols = n * BLOCK_N + offs_n
+        offs_final = tl.arange(0, BLOCK_FINAL)
+        for n in range(tl.cdiv(N, BLOCK_FINAL)):
+            cols = n * BLOCK_FINAL + offs_final
             mask = mask_m[:, None] & (cols < N)[None, :]
             # The sums, read and zeroed for the next launch in one atomic exchange (of
             # their bits: the interpreter exchanges integers only). A load and a store of
@@ -726,7 +740,7 @@ def geglu_mlp_kernel(
             sums_tile = sums_ptr + offs_m[:, None] * N + cols[None, :]
             total = tl.atomic_xchg(
                 sums_tile.to(tl.pointer_type(tl.int32)),
-                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32), mask=mask, sem="relaxed",
+                tl.zeros((BLOCK_M, BLOCK_FINAL), dtype=tl.int32), mask=mask, sem="relaxed",
             ).to(tl.float32, bitcast=True)  # fmt: skip
             total = tl.where(mask, total, 0.0)  # masked lanes hold no sum
             if HAS_DOWN_BIAS:

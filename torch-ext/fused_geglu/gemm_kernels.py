@@ -375,7 +375,7 @@ def gemm_kernel(
         a_mask, b_mask = _k_step_masks(mask_m, mask_n, offs_k, K - k * BLOCK_K, EVEN_K)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         if B_TMA:  # the weight's [BLOCK_N, BLOCK_K] box, zeros past its edges
-            b = b_ptr.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+            b = _tma_load(b_ptr, pid_n * BLOCK_N, k * BLOCK_K, False).T
         else:
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         if DACT != 0:
@@ -395,7 +395,7 @@ def gemm_kernel(
             acc1 = _dot(a, b, acc1, INPUT_PRECISION)
         if GATED:
             if B_TMA:
-                b_up = b_up_ptr.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+                b_up = _tma_load(b_up_ptr, pid_n * BLOCK_N, k * BLOCK_K, False).T
             else:
                 b_up = tl.load(b_up_ptrs, mask=b_mask, other=0.0)
             if FP8:

@@ -148,23 +148,29 @@ def fp8_config(
     quantizes h per 128 columns), and a single one's divides it. On the H200 the TMA
     tiles hardly mattered at 8192 tokens (2.40-2.45 ms for the MLP over the sweep in
     benchmarks/results/exploration/*-fp8-tune.json); 64-row tiles were slower. Decode
-    (up to 64 rows) and the swapped single GEMM (``swap``, up to FP8_SWAP_ROWS): the
-    gated GEMM with 8 warps, 4 stages, the best of 4/8 warps and 3/4/6 stages at 1, 16
-    and 64 tokens (exploration/2026-12-02T03-*-fp8-decode-*.json); the single one's
-    tokens in tiles of 16 up to 16 rows, 64 up to 128, 128 beyond
-    (exploration/2026-12-02T04-*-fp8-down-sweep.json), 8 warps up to 16 rows and 3 stages
-    from 17 to 64, the best in the MLP's graph of 4/8 warps, 3/4/6 stages, 64/128 weight
-    rows and split-K 4/8/16 (exploration/2026-12-02T13-*-fp8-down-graph-sweep.json); with
-    its weight through TMA (``b_tma``) 4 stages from 17 to 64 rows, the best of 4/6/8 there
-    (exploration/2026-12-03T06-*-fp8-decode-tma-sweep.json)."""
+    (up to 64 rows): tokens in tiles of 16 up to 16 rows and of 32 beyond, a weight tile's
+    token tiles adjacent programs (they share it through L2); the gated GEMM with 8 warps,
+    4 stages at 16 rows (the best of 4/8 warps and 3/4/6 stages,
+    exploration/2026-12-02T03-*-fp8-decode-*.json) and 3 at 32 (two programs per SM); the
+    single one with 8 warps up to 16 rows, 4 beyond, 4 stages with its weight through TMA
+    (``b_tma``, the best of 4/6/8: exploration/2026-12-03T06-*-fp8-decode-tma-sweep.json)
+    and 3 without (exploration/2026-12-02T13-*-fp8-down-graph-sweep.json). The 32-row
+    tiles against 64 at 17-64 tokens: exploration/2026-12-03T08-*-fp8-decode-rows.json.
+    The swapped single GEMM past 64 rows (``swap``, up to FP8_SWAP_ROWS): tokens in tiles
+    of 64 up to 128 rows, 128 beyond (exploration/2026-12-02T04-*-fp8-down-sweep.json)."""
     block_n = FP8_BLOCK if gated else 64
     if INTERPRETED:
         return GemmConfig(32, block_n, FP8_BLOCK, 4, 4, 1)
-    if M <= 64 or swap:
-        rows = 16 if M <= 16 else 64 if M <= 128 else 128  # tokens per tile
-        single_stages = 4 if b_tma or M > 64 else 3
-        warps, stages = (8, 4) if gated or M <= 16 else (4, single_stages)
-        return GemmConfig(rows, block_n, FP8_BLOCK, 1, warps, stages)
+    if M <= 64:
+        rows = 16 if M <= 16 else 32
+        if gated:
+            warps, stages = 8, 4 if rows == 16 else 3
+        else:
+            warps, stages = (8, 4) if rows == 16 else (4, 4 if b_tma else 3)
+        return GemmConfig(rows, block_n, FP8_BLOCK, cdiv(M, rows), warps, stages)
+    if swap:
+        rows = 64 if M <= 128 else 128  # tokens per tile
+        return GemmConfig(rows, block_n, FP8_BLOCK, 1, 4, 4)
     if tma:
         return GemmConfig(128, FP8_BLOCK, FP8_BLOCK, 8 if gated else 16, 8, 4)
     return GemmConfig(64, FP8_BLOCK, FP8_BLOCK, 8, 4, 3)
@@ -714,9 +720,10 @@ def quantize_fp8(
 
 
 # The most rows whose dual GEMM quantizes a 16-bit A itself (QUANT_A, swapped products):
-# at 64 tokens the unswapped dual GEMM over x quantized apart ran faster on the H200 (25.9
-# against 29.2-29.9 us with x quantized in its loop; benchmarks/NOTES.md).
-FP8_QUANT_A_ROWS = 16
+# one token tile (fp8_config's 32 rows). Beyond, each token tile would quantize x again:
+# on the H200 at 64 tokens the MLP took 61 us against 47.5 with x quantized apart
+# (benchmarks/NOTES.md).
+FP8_QUANT_A_ROWS = 32
 
 
 def gemm_fp8(

@@ -24,7 +24,7 @@ Measured on the H200 (benchmarks/NOTES.md):
   dynamic activations; inference): as decode above, eager calls the whole MLP in one
   launch (in a CUDA graph the two kernels took 17-38% less GPU time at 1 to 16 tokens);
   else the dual GEMM handing h to the down GEMM quantized, x quantized in the dual GEMM
-  up to 16 tokens (two kernels), by a kernel of its own beyond (three); the down GEMM
+  up to 32 tokens (two kernels), by a kernel of its own beyond (three); the down GEMM
   swapped and split up to 512 tokens where the TMA kernel's tiles would leave SMs idle
   (gemm.fp8_swap_ab), cuBLAS's block-scaled GEMM from 2048 on Hopper
   (gemm.fp8_cublas_applies), the TMA kernel between and elsewhere. From 2048 tokens,

@@ -248,7 +248,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer", type=Path, help="finegrained-fp8's torch-ext folder")
     parser.add_argument(
-        "--tokens", type=int, nargs="+", default=[1, 16, 32, 64, 128, 256, 1024, 2048, 8192]
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[1, 16, 32, 64, 128, 256, 1024, 2048, 8192],
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tune", action="store_true")

@@ -148,9 +148,10 @@ def fp8_config(
     quantizes h per 128 columns), and a single one's divides it. On the H200 the TMA
     tiles hardly mattered at 8192 tokens (2.40-2.45 ms for the MLP over the sweep in
     benchmarks/results/exploration/*-fp8-tune.json); 64-row tiles were slower. Decode
-    (up to 64 rows): tokens in tiles of 16 up to 16 rows and of 32 beyond, a weight tile's
-    token tiles adjacent programs (they share it through L2); the gated GEMM with 8 warps,
-    4 stages at 16 rows (the best of 4/8 warps and 3/4/6 stages,
+    (up to 64 rows): tokens in tiles of 16 up to 16 rows and of 32 beyond (swapped
+    products), a weight tile's token tiles adjacent programs (they share it through L2);
+    unswapped, one 64-row tile from 17 rows; the gated GEMM with 8 warps, 4 stages at 16
+    and 64 rows (the best of 4/8 warps and 3/4/6 stages,
     exploration/2026-12-02T03-*-fp8-decode-*.json) and 3 at 32 (two programs per SM); the
     single one with 8 warps up to 16 rows, 4 beyond, 4 stages with its weight through TMA
     (``b_tma``, the best of 4/6/8: exploration/2026-12-03T06-*-fp8-decode-tma-sweep.json)
@@ -162,9 +163,11 @@ def fp8_config(
     if INTERPRETED:
         return GemmConfig(32, block_n, FP8_BLOCK, 4, 4, 1)
     if M <= 64:
-        rows = 16 if M <= 16 else 32
+        # unswapped (a gated GEMM over weights TMA cannot describe, x quantized apart):
+        # Hopper's e4m3 MMA takes 64 rows
+        rows = 16 if M <= 16 else 32 if swap else 64
         if gated:
-            warps, stages = 8, 4 if rows == 16 else 3
+            warps, stages = 8, 3 if rows == 32 else 4
         else:
             warps, stages = (8, 4) if rows == 16 else (4, 4 if b_tma else 3)
         return GemmConfig(rows, block_n, FP8_BLOCK, cdiv(M, rows), warps, stages)

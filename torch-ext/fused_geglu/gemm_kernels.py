@@ -644,7 +644,8 @@ def geglu_mlp_kernel(
     matching columns of W_down and adds the [M, N] partial product into fp32 ``sums``
     (atomics). The last program to arrive rounds the sums into ``out`` (with b_down) and
     zeroes them again for the next launch, BLOCK_FINAL columns at a time (each exchange
-    waits for its round trip to L2: few and wide). Every weight byte is read once, by one launch.
+    waits for its round trip to L2: few and wide). Every weight byte is read once, by one
+    launch.
     The order of the fp32 additions varies between launches (not bitwise reproducible).
     FP8: x is quantized per row and 128 columns as it is read, and h as the program forms
     it (its BLOCK_I = 128 columns are one scale block): transformers' FP8Linear inputs."""
@@ -740,7 +741,8 @@ def geglu_mlp_kernel(
             sums_tile = sums_ptr + offs_m[:, None] * N + cols[None, :]
             total = tl.atomic_xchg(
                 sums_tile.to(tl.pointer_type(tl.int32)),
-                tl.zeros((BLOCK_M, BLOCK_FINAL), dtype=tl.int32), mask=mask, sem="relaxed",
+                tl.zeros((BLOCK_M, BLOCK_FINAL), dtype=tl.int32), mask=mask,
+                sem="relaxed",
             ).to(tl.float32, bitcast=True)  # fmt: skip
             total = tl.where(mask, total, 0.0)  # masked lanes hold no sum
             if HAS_DOWN_BIAS:

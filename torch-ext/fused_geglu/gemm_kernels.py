@@ -371,6 +371,27 @@ def gemm_kernel(
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if FP8:
+        # Each K step's scales are loaded a step ahead: as plain loads in their step they
+        # were awaited after its MMA (A's are a new row of L2 each step); two steps ahead
+        # broke Triton's pipeline. Past the program's last step the weights' index stays
+        # on the last block and A's rows are masked by their bound (the interpreter
+        # cannot AND a scalar condition into a block mask); the first loads are masked
+        # for an empty split.
+        b_scale_row = b_scale_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_bsn
+        first = min(k_first, k_tiles - 1) * stride_bsk
+        b_scale_next = tl.load(b_scale_row + first, mask=k_first < k_end, other=0.0)
+        if GATED:
+            b_up_scale_row = b_up_scale_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_bsn
+            b_up_scale_next = tl.load(
+                b_up_scale_row + first, mask=k_first < k_end, other=0.0
+            )
+        if not QUANT_A:
+            a_scale_next = tl.load(
+                a_scale_ptr + k_first * M + offs_m,
+                mask=offs_m < tl.where(k_first < k_end, M, 0),
+                other=0.0,
+            )
     for k in range(k_first, k_end):
         a_mask, b_mask = _k_step_masks(mask_m, mask_n, offs_k, K - k * BLOCK_K, EVEN_K)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
@@ -387,9 +408,15 @@ def gemm_kernel(
             if QUANT_A:
                 a, a_scale = quantize_rows(a.to(tl.float32))
             else:
-                a_scale = tl.load(a_scale_ptr + k * M + offs_m, mask=mask_m, other=0.0)
-            b_block = (pid_n * BLOCK_N // BLOCK_K) * stride_bsn + k * stride_bsk
-            b_scale = tl.load(b_scale_ptr + b_block)
+                a_scale = a_scale_next
+                a_scale_next = tl.load(
+                    a_scale_ptr + (k + 1) * M + offs_m,
+                    mask=offs_m < tl.where(k + 1 < k_end, M, 0),
+                    other=0.0,
+                )
+            next_block = min(k + 1, k_tiles - 1) * stride_bsk
+            b_scale = b_scale_next
+            b_scale_next = tl.load(b_scale_row + next_block)
             acc1 = _scaled_dot(a, b, acc1, a_scale, b_scale, INPUT_PRECISION, SWAP_AB)
         else:
             acc1 = _dot(a, b, acc1, INPUT_PRECISION)
@@ -399,7 +426,8 @@ def gemm_kernel(
             else:
                 b_up = tl.load(b_up_ptrs, mask=b_mask, other=0.0)
             if FP8:
-                b_up_scale = tl.load(b_up_scale_ptr + b_block)
+                b_up_scale = b_up_scale_next
+                b_up_scale_next = tl.load(b_up_scale_row + next_block)
                 acc2 = _scaled_dot(
                     a, b_up, acc2, a_scale, b_up_scale, INPUT_PRECISION, SWAP_AB
                 )

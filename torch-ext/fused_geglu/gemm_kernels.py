@@ -374,10 +374,10 @@ def gemm_kernel(
     if FP8:
         # Each K step's scales are loaded a step ahead: as plain loads in their step they
         # were awaited after its MMA (A's are a new row of L2 each step); two steps ahead
-        # broke Triton's pipeline. Past the program's last step the weights' index stays
-        # on the last block and A's rows are masked by their bound (the interpreter
-        # cannot AND a scalar condition into a block mask); the first loads are masked
-        # for an empty split.
+        # broke Triton's pipeline. The weights' next index is clamped to the last K block
+        # and A's next rows are masked past the program's last step, by their bound (the
+        # interpreter cannot AND a scalar condition into a block mask); the first loads
+        # are masked for an empty split.
         b_scale_row = b_scale_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_bsn
         first = min(k_first, k_tiles - 1) * stride_bsk
         b_scale_next = tl.load(b_scale_row + first, mask=k_first < k_end, other=0.0)

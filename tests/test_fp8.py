@@ -833,6 +833,33 @@ def test_dual_gemm_clears_the_down_gemms_counters(fused_geglu, device):
         )  # fmt: skip
 
 
+def test_split_k_slices_take_their_k_blocks_scales(fused_geglu, device):
+    """gemm_fp8 at decode splits K into uneven slices (18 K blocks, the last ragged, in
+    slices of 5, 5, 5 and 3) whose loops load each block's scales a step ahead: within
+    rounding of float64 where A's and the weight's scales change by up to 2^8 from one
+    K block to the next (a block scaled by a neighbour's scale would be off by as much)."""
+    gemm = fused_geglu.gemm
+    m, n, k = 3, 64, 17 * 128 + 40
+    magnitudes = torch.exp2(torch.randint(-4, 5, (2, 18)).float())  # x's, w's per block
+    columns = magnitudes.repeat_interleave(128, 1)[:, :k]
+    x = (torch.randn(m, k) * columns[0]).to(device, torch.bfloat16)
+    w_q, w_s = fp8_quantize_weight(torch.randn(n, k) / k**0.5 * columns[1])
+    w_q, w_s = w_q.to(device), w_s.to(device)
+    a = torch.empty(m, k, dtype=FP8, device=device)
+    a_scale = torch.empty(18, m, device=device)
+    gemm.quantize_fp8(x, a, a_scale)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
+    gemm._PLANS.clear()
+    gemm.gemm_fp8(a, a_scale, w_q, w_s, out)
+    assert [p.split for p in gemm._PLANS.values()] == [4]
+    a64 = a.cpu().double() * a_scale.cpu().double().T.repeat_interleave(128, 1)[:, :k]
+    w64 = fp8_dequantize_weight(w_q.cpu(), w_s.cpu())
+    ref, terms = a64 @ w64.T, a64.abs() @ w64.abs().T
+    # one bf16 step (the interpreter rounds toward zero), the products' sums
+    bound = ref.abs() * 2.0**-7 + terms * (E4M3_MMA_ACCURACY + 2.0**-20)
+    assert ((out.cpu().double() - ref).abs() <= bound).all()
+
+
 def test_decode_gemms_read_weights_through_tma(fused_geglu, device, monkeypatch):
     """Up to 64 rows the FP8 GEMMs read weights that TMA can describe as they lie through
     descriptors (B_TMA), other weights through pointers: the same h and output at 16

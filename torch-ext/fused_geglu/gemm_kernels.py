@@ -378,18 +378,18 @@ def gemm_kernel(
         # and A's next rows are masked past the program's last step, by their bound (the
         # interpreter cannot AND a scalar condition into a block mask); the first loads
         # are masked for an empty split.
-        b_scale_row = b_scale_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_bsn
+        has_steps = k_first < k_end
+        tile_row = (pid_n * BLOCK_N // BLOCK_K) * stride_bsn  # its weight-scale row
         first = min(k_first, k_tiles - 1) * stride_bsk
-        b_scale_next = tl.load(b_scale_row + first, mask=k_first < k_end, other=0.0)
+        b_scale_row = b_scale_ptr + tile_row
+        b_scale_next = tl.load(b_scale_row + first, mask=has_steps, other=0.0)
         if GATED:
-            b_up_scale_row = b_up_scale_ptr + (pid_n * BLOCK_N // BLOCK_K) * stride_bsn
-            b_up_scale_next = tl.load(
-                b_up_scale_row + first, mask=k_first < k_end, other=0.0
-            )
+            b_up_scale_row = b_up_scale_ptr + tile_row
+            b_up_scale_next = tl.load(b_up_scale_row + first, mask=has_steps, other=0.0)
         if not QUANT_A:
             a_scale_next = tl.load(
                 a_scale_ptr + k_first * M + offs_m,
-                mask=offs_m < tl.where(k_first < k_end, M, 0),
+                mask=offs_m < tl.where(has_steps, M, 0),
                 other=0.0,
             )
     for k in range(k_first, k_end):

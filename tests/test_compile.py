@@ -84,6 +84,7 @@ def fp8_scales(epi):
 
 def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False, b_tma=False):
     # quant_a: an FP8 GEMM's A in bf16, quantized in the K loop; b_tma: B's descriptors
+    # (with quant_a, a gated GEMM's one over both weights: _Plan's ``stacks``)
     swap = epi.fp8 and gemm.fp8_swap_ab(M, N, epi.gated, quant_a, 132, b_tma)  # H200 SMs
     cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, False, False, epi.fp8, swap, b_tma)
     names = [p.name for p in gk.gemm_kernel.params if not p.is_constexpr]
@@ -113,13 +114,18 @@ def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False, b_tma=False):
         args["a_scale_ptr"] = None
     if epi.clear:
         args["clear_ptr"] = t(epi.clear, dtype=torch.int32)
-    if b_tma:
+    stacked = b_tma and epi.gated and quant_a
+    if stacked:
+        args["b_ptr"] = TensorDescriptor.from_tensor(
+            t(2, N, K, dtype=dtype), [2, cfg.block_n, cfg.block_k])
+        args["b_up_ptr"] = None
+    elif b_tma:
         box = [cfg.block_n, cfg.block_k]
         for name in ("b_ptr", "b_up_ptr") if epi.gated else ("b_ptr",):
             args[name] = TensorDescriptor.from_tensor(t(N, K, dtype=dtype), box)
     consts = {**epi.constexprs(), **cfg.constexprs(), "SPLIT_K": split,
               "QUANT_A": quant_a, "CLEAR": epi.clear,
-              "SWAP_AB": swap, "B_TMA": b_tma,
+              "SWAP_AB": swap, "B_TMA": b_tma, "STACKED": stacked, "UP_FIRST": stacked,
               "EVEN_K": K % cfg.block_k == 0,
               "INPUT_PRECISION": gemm._input_precision(dtype)}
     options = {k: consts.pop(k) for k in ("num_warps", "num_stages")}

@@ -901,6 +901,55 @@ def test_decode_gemms_read_weights_through_tma(fused_geglu, device, monkeypatch)
     gemm._PLANS.clear()
 
 
+@pytest.mark.parametrize("layout", ["apart", "gate first", "up first"])
+def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, layout):
+    """Through TMA the decode dual GEMM that quantizes x itself (up to FP8_QUANT_A_ROWS
+    tokens) reads gate and up as one box of a descriptor over both (STACKED; ``up
+    first``: the up weight at the lower address), each weight's rows scaled by its own
+    block scales: the MLP within the float64 rule at 16 and 32 tokens, and on the GPU
+    equal to two descriptors' (the same products and scalings); at 40 tokens two."""
+    gemm = fused_geglu.gemm
+    weights, scales, biases = fp8_params(256, 384, 256, device, True)
+    wg, wu, wd = weights
+    if layout != "apart":
+        both = torch.cat((wg, wu) if layout == "gate first" else (wu, wg))
+        lo, hi = both[:384], both[384:]
+        wg, wu = (lo, hi) if layout == "gate first" else (hi, lo)
+        assert (wg.data_ptr() < wu.data_ptr()) == (layout == "gate first")
+    weights = (wg, wu, wd)
+    real = gemm._stacked_weights
+    for tokens in (16, 32, 40):
+        x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
+        outputs = []
+        for stacked in (True, False):
+            stacks = stacked and tokens <= gemm.FP8_QUANT_A_ROWS
+            monkeypatch.setattr(
+                gemm,
+                "_stacked_weights",
+                lambda *a, on=stacked: real(*a) if on else None,
+            )
+            gemm._PLANS.clear()
+            torch.use_deterministic_algorithms(True)  # the two kernels
+            try:
+                out = fused_geglu.geglu_mlp_fp8(
+                    x, wg, scales[0], wu, scales[1], wd, scales[2], *biases,
+                    approximate="tanh",
+                )  # fmt: skip
+            finally:
+                torch.use_deterministic_algorithms(False)
+            dual = [p for p in gemm._PLANS.values() if p.constexprs["GATED"]]
+            used = [launcher is not None for launcher in dual[0].launchers]
+            up_first = wu.data_ptr() < wg.data_ptr()
+            expected = [True, stacks and not up_first, stacks and up_first]
+            assert len(dual) == 1 and dual[0].b_tma and used == expected
+            check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu,
+                      f"{layout}, {tokens} tokens, stacked {stacks}")  # fmt: skip
+            outputs.append(out)
+        if HAS_GPU:
+            assert torch.equal(*outputs)
+    gemm._PLANS.clear()
+
+
 def test_counters_unused_without_split_k(fused_geglu, device, monkeypatch):
     """Counters handed to a gemm_fp8 whose plan does not split K (the MLP hands them to
     every down GEMM it captures on the portable kernels) reach its kernel as None, as

@@ -152,7 +152,9 @@ def fp8_config(
     products), a weight tile's token tiles adjacent programs (they share it through L2);
     unswapped, one 64-row tile from 17 rows; the gated GEMM with 8 warps, 4 stages at 16
     and 64 rows (the best of 4/8 warps and 3/4/6 stages,
-    exploration/2026-12-02T03-*-fp8-decode-*.json) and 3 at 32 (two programs per SM); the
+    exploration/2026-12-02T03-*-fp8-decode-*.json), 3 at 32 with x quantized apart (two
+    programs per SM) and 4 with x quantized in its loop (its weights stacked, whose box
+    Triton loads a stage less ahead: exploration/2026-12-03T15-*-fp8-stacked-dual.json); the
     single one with 8 warps up to 16 rows, 4 beyond, 4 stages with its weight through TMA
     (``b_tma``, the best of 4/6/8: exploration/2026-12-03T06-*-fp8-decode-tma-sweep.json)
     and 3 without (exploration/2026-12-02T13-*-fp8-down-graph-sweep.json). The 32-row
@@ -167,7 +169,7 @@ def fp8_config(
         # Hopper's e4m3 MMA takes 64 rows
         rows = 16 if M <= 16 else 32 if swap else 64
         if gated:
-            warps, stages = 8, 3 if rows == 32 else 4
+            warps, stages = 8, 3 if rows == 32 and M > FP8_QUANT_A_ROWS else 4
         else:
             warps, stages = (8, 4) if rows == 16 else (4, 4 if b_tma else 3)
         return GemmConfig(rows, block_n, FP8_BLOCK, cdiv(M, rows), warps, stages)
@@ -333,8 +335,8 @@ def _tma_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
 def _stacked_weights(b, b_up, block_n, block_k, boxes):
     """One [2, N, K] descriptor over two [N, K] weights wherever they lie: its outer stride
     is the distance between them (TMA addresses any 16-byte-aligned stride), so the gate and
-    up tiles arrive as one box (``boxes`` 2), or as two of one descriptor (1: FP8, one
-    dot per weight). Returns (descriptor, up_first) or None."""
+    up tiles arrive as one box (``boxes`` 2), or as two of one descriptor (1: the FP8 TMA
+    kernel's, one dot per weight). Returns (descriptor, up_first) or None."""
     lo, hi, up_first = (
         (b, b_up, False) if b_up.data_ptr() > b.data_ptr() else (b_up, b, True)
     )
@@ -426,8 +428,8 @@ class _Plan:
     """What a call signature needs beyond its tensors: the configuration, the kernel's
     launchers and the split."""
 
-    __slots__ = ("b_tma", "cfg", "constexprs", "launchers", "split", "tiles", "tma",
-                 "ws_numel")  # fmt: skip
+    __slots__ = ("b_tma", "cfg", "constexprs", "launchers", "split", "stacks", "tiles",
+                 "tma", "ws_numel")  # fmt: skip
 
     def __init__(self, M, N, K, dtype, device, epi: Epilogue, tma: bool, b_tma: bool):
         extra_tiles = (
@@ -439,6 +441,9 @@ class _Plan:
         )
         self.tma = tma = tma and not swap and not epi.clear
         self.b_tma = b_tma
+        # A gated B_TMA GEMM reads both weights through one descriptor (STACKED) where it
+        # quantizes x itself; with x quantized apart (33-64 tokens) that was slower.
+        self.stacks = b_tma and epi.gated and epi.quant_a
         self.cfg = cfg = gemm_config(
             M, N, K, dtype, epi.gated, tma, extra_tiles, epi.fp8, swap, b_tma
         )
@@ -468,13 +473,26 @@ class _Plan:
                 "QUANT_A": epi.quant_a,
                 "SWAP_AB": swap,
                 "B_TMA": b_tma,
+                "STACKED": False,
+                "UP_FIRST": False,
                 "SPLIT_K": self.split,
                 "CLEAR": epi.clear,
                 "EVEN_K": K % cfg.block_k == 0,
             }
-            self.launchers = Launcher(gemm_kernel, self.constexprs)
+            # [unstacked, STACKED, STACKED and UP_FIRST] (the last two made when needed)
+            self.launchers = [Launcher(gemm_kernel, self.constexprs), None, None]
         else:
             self.launchers = {}  # (A_T, B_T, UP_FIRST, gap class) -> Launcher
+
+    def stacked_launcher(self, up_first: bool) -> Launcher:
+        """The portable kernel over both weights of a gated B_TMA GEMM in one descriptor
+        (STACKED)."""
+        launcher = self.launchers[1 + up_first]
+        if launcher is None:
+            flags = {"STACKED": True, "UP_FIRST": up_first}
+            launcher = Launcher(gemm_kernel, {**self.constexprs, **flags})
+            self.launchers[1 + up_first] = launcher
+        return launcher
 
     def tma_launcher(self, a_t, b_t, up_first, b_desc) -> Launcher:
         # The stacked weights' outer stride (their distance) varies between layers of one
@@ -565,11 +583,18 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         )
     else:  # counters an earlier launch zeroed (CLEAR); a fresh workspace
         ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=device)
+    launcher = plan.launchers[0]
     if plan.b_tma:
         box = [plan.cfg.block_n, plan.cfg.block_k]
-        b = TensorDescriptor.from_tensor(b, box)
-        b_up = None if b_up is None else TensorDescriptor.from_tensor(b_up, box)
-    plan.launchers(
+        stacked = _stacked_weights(b, b_up, *box, 2) if plan.stacks else None
+        if stacked is not None:  # both weights' tiles in one box, one MMA per K step
+            b, up_first = stacked
+            b_up = None
+            launcher = plan.stacked_launcher(up_first)
+        else:
+            b = TensorDescriptor.from_tensor(b, box)
+            b_up = None if b_up is None else TensorDescriptor.from_tensor(b_up, box)
+    launcher(
         plan.tiles * plan.split, a, b, b_up, bias, bias_up, c, preact, preact_up, z,
         bias_grad, ws, counters, clear, *scales, M, N, K, *strides,
     )  # fmt: skip

@@ -27,6 +27,9 @@ its strides, so transposes are free. Constexpr flags select the fused work:
                MMA's rows: at decode sizes the tokens are too few for Hopper's e4m3 MMA
                (64 rows), which then runs with the weights' 64 or 128 rows instead (and
                FP8 down GEMMs of up to 512 rows, split-K where TMA tiles leave SMs idle)
+  STACKED      (portable kernel: FP8, GATED, SWAP_AB, B_TMA) one descriptor over both
+               weights ([2, N, K]): each K step loads the gate and up tiles as one box
+               and issues one MMA over both (UP_FIRST: up at the lower address)
   SPLIT_K      (portable kernel) programs per output tile, each summing a slice of K into
                an fp32 workspace; the last to finish adds the slices in a fixed order
                (deterministic) and applies the epilogue: decode shapes with fewer output
@@ -134,6 +137,22 @@ def _scaled_dot(
     else:
         acc = acc + _dot(a, b, None, INPUT_PRECISION) * a_scale[:, None] * b_scale
     return acc
+
+
+@triton.jit
+def _scaled_dot_stacked(
+    a, b, acc, a_scale, b_scale, b_up_scale,
+    INPUT_PRECISION: tl.constexpr, UP_FIRST: tl.constexpr,
+):  # fmt: skip
+    """_scaled_dot's SWAPPED product over the gate and up tiles stacked (``b``: [2 x
+    BLOCK_N, BLOCK_K], in memory order) with each weight's block scale on its rows: one
+    MMA per K step, waited for once (two dots were waited for in turn); the same products
+    and scalings."""
+    first, second = (b_up_scale, b_scale) if UP_FIRST else (b_scale, b_up_scale)
+    rows = tl.arange(0, b.shape[0])
+    row_scale = tl.where(rows < b.shape[0] // 2, first, second)
+    product = _dot(b, a.T, None, INPUT_PRECISION)
+    return acc + product * a_scale[None, :] * row_scale[:, None]
 
 
 @triton.jit
@@ -321,6 +340,8 @@ def gemm_kernel(
     QUANT_A: tl.constexpr,
     SWAP_AB: tl.constexpr,
     B_TMA: tl.constexpr,  # B (and B_up) through TMA: FP8 decode's weight streams
+    STACKED: tl.constexpr,  # B_TMA, GATED: b_ptr describes both weights, [2, N, K]
+    UP_FIRST: tl.constexpr,  # STACKED: b_ptr[0] holds B_up, b_ptr[1] B
     SPLIT_K: tl.constexpr,
     CLEAR: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -364,7 +385,10 @@ def gemm_kernel(
         z_ptrs = z_ptr + offs_m[:, None] * stride_zm + offs_k[None, :] * stride_zk
     offs_k = tl.arange(0, BLOCK_K)
 
-    if SWAP_AB:  # the accumulators transposed until the loop ends
+    if STACKED:  # both weights' rows as one product's, transposed (SWAP_AB)
+        tl.static_assert(FP8 and GATED and SWAP_AB)
+        acc1 = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif SWAP_AB:  # the accumulators transposed until the loop ends
         acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -395,7 +419,10 @@ def gemm_kernel(
     for k in range(k_first, k_end):
         a_mask, b_mask = _k_step_masks(mask_m, mask_n, offs_k, K - k * BLOCK_K, EVEN_K)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        if B_TMA:  # the weight's [BLOCK_N, BLOCK_K] box, zeros past its edges
+        if STACKED:  # both weights' [BLOCK_N, BLOCK_K] tiles, one box
+            b = b_ptr.load([0, pid_n * BLOCK_N, k * BLOCK_K])
+            b = b.reshape(2 * BLOCK_N, BLOCK_K)
+        elif B_TMA:  # the weight's [BLOCK_N, BLOCK_K] box, zeros past its edges
             b = _tma_load(b_ptr, pid_n * BLOCK_N, k * BLOCK_K, False).T
         else:
             b = tl.load(b_ptrs, mask=b_mask, other=0.0)
@@ -417,10 +444,19 @@ def gemm_kernel(
             next_block = min(k + 1, k_tiles - 1) * stride_bsk
             b_scale = b_scale_next
             b_scale_next = tl.load(b_scale_row + next_block)
-            acc1 = _scaled_dot(a, b, acc1, a_scale, b_scale, INPUT_PRECISION, SWAP_AB)
+            if STACKED:
+                b_up_scale = b_up_scale_next
+                b_up_scale_next = tl.load(b_up_scale_row + next_block)
+                acc1 = _scaled_dot_stacked(
+                    a, b, acc1, a_scale, b_scale, b_up_scale, INPUT_PRECISION, UP_FIRST
+                )
+            else:
+                acc1 = _scaled_dot(
+                    a, b, acc1, a_scale, b_scale, INPUT_PRECISION, SWAP_AB
+                )
         else:
             acc1 = _dot(a, b, acc1, INPUT_PRECISION)
-        if GATED:
+        if GATED and not STACKED:
             if B_TMA:
                 b_up = _tma_load(b_up_ptr, pid_n * BLOCK_N, k * BLOCK_K, False).T
             else:
@@ -439,7 +475,10 @@ def gemm_kernel(
         if not B_TMA:
             b_ptrs += BLOCK_K * stride_bk
 
-    if SWAP_AB:
+    if STACKED:
+        rows = acc1.T.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
+        acc1, acc2 = (rows[1], rows[0]) if UP_FIRST else rows
+    elif SWAP_AB:
         acc1 = acc1.T
         acc2 = acc2.T
     if BIAS_GRAD and pid_n == 0:  # (SPLIT_K == 1)

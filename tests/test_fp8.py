@@ -906,14 +906,17 @@ def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, l
     """Through TMA the decode dual GEMM that quantizes x itself (up to FP8_QUANT_A_ROWS
     tokens) reads gate and up as one box of a descriptor over both (STACKED; ``up
     first``: the up weight at the lower address), each weight's rows scaled by its own
-    block scales: the MLP within the float64 rule at 16 and 32 tokens, and on the GPU
-    equal to two descriptors' (the same products and scalings); at 40 tokens two."""
+    block scales: the MLP within the float64 rule at 16 and 32 tokens, h's scales set by
+    its own columns, and on the GPU equal to two descriptors' (the same products and
+    scalings); at 40 tokens two descriptors."""
     gemm = fused_geglu.gemm
-    weights, scales, biases = fp8_params(256, 384, 256, device, True)
+    # I = 320: the last 128-row tile's box reaches past each weight's rows (zeros there,
+    # not the other weight's first rows where both lie in one buffer)
+    weights, scales, biases = fp8_params(256, 320, 256, device, True)
     wg, wu, wd = weights
     if layout != "apart":
         both = torch.cat((wg, wu) if layout == "gate first" else (wu, wg))
-        lo, hi = both[:384], both[384:]
+        lo, hi = both[:320], both[320:]
         wg, wu = (lo, hi) if layout == "gate first" else (hi, lo)
         assert (wg.data_ptr() < wu.data_ptr()) == (layout == "gate first")
     weights = (wg, wu, wd)
@@ -945,6 +948,18 @@ def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, l
             check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu,
                       f"{layout}, {tokens} tokens, stacked {stacks}")  # fmt: skip
             outputs.append(out)
+            if tokens <= gemm.FP8_QUANT_A_ROWS:
+                # each 128-column block of h is scaled by its own columns' largest
+                # value (448 in e4m3), not by a box's rows past the weight's end
+                h = torch.empty(tokens, 320, dtype=FP8, device=device)
+                h_s = torch.empty(3, tokens, device=device)
+                gemm.gemm_gated_fp8(
+                    x, None, wg, scales[0], wu, scales[1], h, h_s, gemm.GELU_TANH,
+                    x.dtype, bias_gate=biases[0], bias_up=biases[1],
+                )  # fmt: skip
+                padded = torch.zeros(tokens, 384)
+                padded[:, :320] = h.float().abs().cpu()
+                assert (padded.view(tokens, 3, 128).amax(-1) == 448).all(), layout
         if HAS_GPU:
             assert torch.equal(*outputs)
     gemm._PLANS.clear()

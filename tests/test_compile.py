@@ -82,9 +82,10 @@ def fp8_scales(epi):
             "stride_bsn": 16, "stride_bsk": 1, "stride_cs": 64 if epi.quant_out else None}
 
 
-def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False, b_tma=False):
-    # quant_a: an FP8 GEMM's A in bf16, quantized in the K loop; b_tma: B's descriptors
-    # (with quant_a, a gated GEMM's one over both weights: _Plan's ``stacks``)
+def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False, b_tma=False,
+                  up_first=None):  # fmt: skip
+    # quant_a: an FP8 GEMM's A in bf16, quantized in the K loop; b_tma: B's descriptors;
+    # up_first (with both, gated): one descriptor over both weights (STACKED)
     swap = epi.fp8 and gemm.fp8_swap_ab(M, N, epi.gated, quant_a, 132, b_tma)  # H200 SMs
     cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, False, False, epi.fp8, swap, b_tma)
     names = [p.name for p in gk.gemm_kernel.params if not p.is_constexpr]
@@ -114,7 +115,7 @@ def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False, b_tma=False):
         args["a_scale_ptr"] = None
     if epi.clear:
         args["clear_ptr"] = t(epi.clear, dtype=torch.int32)
-    stacked = b_tma and epi.gated and quant_a
+    stacked = up_first is not None
     if stacked:
         args["b_ptr"] = TensorDescriptor.from_tensor(
             t(2, N, K, dtype=dtype), [2, cfg.block_n, cfg.block_k])
@@ -125,10 +126,13 @@ def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False, b_tma=False):
             args[name] = TensorDescriptor.from_tensor(t(N, K, dtype=dtype), box)
     consts = {**epi.constexprs(), **cfg.constexprs(), "SPLIT_K": split,
               "QUANT_A": quant_a, "CLEAR": epi.clear,
-              "SWAP_AB": swap, "B_TMA": b_tma, "STACKED": stacked, "UP_FIRST": stacked,
+              "SWAP_AB": swap, "B_TMA": b_tma, "STACKED": stacked,
+              "UP_FIRST": bool(up_first),
               "EVEN_K": K % cfg.block_k == 0,
               "INPUT_PRECISION": gemm._input_precision(dtype)}
     options = {k: consts.pop(k) for k in ("num_warps", "num_stages")}
+    if stacked:
+        options["num_stages"] = gemm.stacked_stages(cfg)
     return gk.gemm_kernel, args, consts, options
 
 
@@ -247,10 +251,14 @@ CASES = {
     "fp8 gemm decode, gated, x quantized in the loop, swapped, clears counters": portable_gemm(
         1, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
                                quant_out=True, act_bf16=True, clear=256), quant_a=True),
-    "fp8 gemm decode, gated, x quantized in the loop, weights through TMA": portable_gemm(
+    "fp8 gemm decode, gated, x quantized in the loop, weights stacked": portable_gemm(
         16, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
                                 quant_out=True, act_bf16=True, clear=256), quant_a=True,
-        b_tma=True),
+        b_tma=True, up_first=False),
+    "fp8 gemm 32 rows, gated, x quantized in the loop, weights stacked, up first": portable_gemm(
+        32, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
+                                quant_out=True, act_bf16=True, clear=256), quant_a=True,
+        b_tma=True, up_first=True),
     "fp8 gemm 32 rows, gated, x quantized in the loop, weights through TMA": portable_gemm(
         32, 16384, 2048, fp8, E(activation=gemm.GELU_TANH, gated=True, fp8=True,
                                 quant_out=True, act_bf16=True, clear=256), quant_a=True,
@@ -288,6 +296,6 @@ def test_every_kernel_compiles_for_hopper():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 26
+    assert len(results) == 27
     failed = {name: error for name, error in results.items() if error is not None}
     assert not failed, json.dumps(failed, indent=1)

@@ -901,7 +901,7 @@ def test_decode_gemms_read_weights_through_tma(fused_geglu, device, monkeypatch)
     gemm._PLANS.clear()
 
 
-@pytest.mark.parametrize("layout", ["apart", "gate first", "up first"])
+@pytest.mark.parametrize("layout", ["two tensors", "gate first", "up first"])
 def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, layout):
     """Through TMA the decode dual GEMM that quantizes x itself (up to FP8_QUANT_A_ROWS
     tokens) reads gate and up as one box of a descriptor over both (STACKED; ``up
@@ -914,7 +914,7 @@ def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, l
     # not the other weight's first rows where both lie in one buffer)
     weights, scales, biases = fp8_params(256, 320, 256, device, True)
     wg, wu, wd = weights
-    if layout != "apart":
+    if layout != "two tensors":  # (those in whichever order the allocator placed them)
         both = torch.cat((wg, wu) if layout == "gate first" else (wu, wg))
         lo, hi = both[:320], both[320:]
         wg, wu = (lo, hi) if layout == "gate first" else (hi, lo)
@@ -962,6 +962,34 @@ def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, l
                 assert (padded.view(tokens, 3, 128).amax(-1) == 448).all(), layout
         if HAS_GPU:
             assert torch.equal(*outputs)
+    gemm._PLANS.clear()
+
+
+def test_stacked_dual_gemm_over_split_k(fused_geglu, device, monkeypatch):
+    """The stacked dual GEMM split over K (one output tile, 9 K blocks, the last ragged):
+    the same h and scales as through two descriptors, each slice's scales its own."""
+    gemm = fused_geglu.gemm
+    (wg, wu, _), (sg, su, _), _ = fp8_params(1040, 128, 128, device, False)
+    x = torch.randn(16, 1040, dtype=torch.bfloat16, device=device)
+    real = gemm._stacked_weights
+    results = []
+    for stacked in (True, False):
+        monkeypatch.setattr(
+            gemm, "_stacked_weights", lambda *a, on=stacked: real(*a) if on else None
+        )
+        gemm._PLANS.clear()
+        h = torch.empty(16, 128, dtype=FP8, device=device)
+        h_s = torch.full((1, 16), float("nan"), device=device)
+        gemm.gemm_gated_fp8(x, None, wg, sg, wu, su, h, h_s, gemm.GELU, x.dtype)
+        (plan,) = gemm._PLANS.values()
+        assert (
+            plan.split > 1
+            and plan.stacks
+            and (plan.launchers[1:] != [None] * 2) == stacked
+        )
+        results.append((h.view(torch.uint8), h_s))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
     gemm._PLANS.clear()
 
 

@@ -152,10 +152,9 @@ def fp8_config(
     products), a weight tile's token tiles adjacent programs (they share it through L2);
     unswapped, one 64-row tile from 17 rows; the gated GEMM with 8 warps, 4 stages at 16
     and 64 rows (the best of 4/8 warps and 3/4/6 stages,
-    exploration/2026-12-02T03-*-fp8-decode-*.json), 3 at 32 with x quantized apart (two
-    programs per SM) and 4 with x quantized in its loop (its weights stacked, whose box
-    Triton loads a stage less ahead: exploration/2026-12-03T15-*-fp8-stacked-dual.json); the
-    single one with 8 warps up to 16 rows, 4 beyond, 4 stages with its weight through TMA
+    exploration/2026-12-02T03-*-fp8-decode-*.json) and 3 at 32 (two programs per SM;
+    _Plan.stacked_launcher's one more); the single one with 8 warps up to 16 rows, 4
+    beyond, 4 stages with its weight through TMA
     (``b_tma``, the best of 4/6/8: exploration/2026-12-03T06-*-fp8-decode-tma-sweep.json)
     and 3 without (exploration/2026-12-02T13-*-fp8-down-graph-sweep.json). The 32-row
     tiles against 64 at 17-64 tokens: exploration/2026-12-03T08-*-fp8-decode-rows.json.
@@ -169,7 +168,7 @@ def fp8_config(
         # Hopper's e4m3 MMA takes 64 rows
         rows = 16 if M <= 16 else 32 if swap else 64
         if gated:
-            warps, stages = 8, 3 if rows == 32 and M > FP8_QUANT_A_ROWS else 4
+            warps, stages = 8, 3 if rows == 32 else 4
         else:
             warps, stages = (8, 4) if rows == 16 else (4, 4 if b_tma else 3)
         return GemmConfig(rows, block_n, FP8_BLOCK, cdiv(M, rows), warps, stages)
@@ -334,9 +333,10 @@ def _tma_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
 
 def _stacked_weights(b, b_up, block_n, block_k, boxes):
     """One [2, N, K] descriptor over two [N, K] weights wherever they lie: its outer stride
-    is the distance between them (TMA addresses any 16-byte-aligned stride), so the gate and
-    up tiles arrive as one box (``boxes`` 2), or as two of one descriptor (1: the FP8 TMA
-    kernel's, one dot per weight). Returns (descriptor, up_first) or None."""
+    is the distance between them (TMA takes any 16-byte-aligned stride under 2^40 bytes),
+    so the gate and up tiles arrive as one box (``boxes`` 2), or as two of one descriptor
+    (1: the FP8 TMA kernel's, one dot per weight). Returns (descriptor, up_first) or
+    None."""
     lo, hi, up_first = (
         (b, b_up, False) if b_up.data_ptr() > b.data_ptr() else (b_up, b, True)
     )
@@ -348,6 +348,7 @@ def _stacked_weights(b, b_up, block_n, block_k, boxes):
         or lo.stride() != hi.stride()
         or gap == 0
         or gap % 16
+        or gap >= 1 << 40
     ):
         return None
     (n, k), es = lo.shape, lo.element_size()
@@ -424,6 +425,13 @@ class Epilogue:
         }
 
 
+def stacked_stages(cfg: GemmConfig) -> int:
+    """num_stages of a STACKED GEMM of configuration ``cfg``: Triton 3.6 loads its 3-D box a
+    stage less ahead than two 2-D boxes; a stage more was the faster at 32-row tiles, not
+    at 16 (exploration/2026-12-03T15-*-fp8-stacked-dual.json)."""
+    return cfg.num_stages + (cfg.block_m == 32)
+
+
 class _Plan:
     """What a call signature needs beyond its tensors: the configuration, the kernel's
     launchers and the split."""
@@ -486,10 +494,11 @@ class _Plan:
 
     def stacked_launcher(self, up_first: bool) -> Launcher:
         """The portable kernel over both weights of a gated B_TMA GEMM in one descriptor
-        (STACKED)."""
+        (STACKED), in stacked_stages."""
         launcher = self.launchers[1 + up_first]
         if launcher is None:
-            flags = {"STACKED": True, "UP_FIRST": up_first}
+            stages = stacked_stages(self.cfg)
+            flags = {"STACKED": True, "UP_FIRST": up_first, "num_stages": stages}
             launcher = Launcher(gemm_kernel, {**self.constexprs, **flags})
             self.launchers[1 + up_first] = launcher
         return launcher

@@ -4,7 +4,8 @@
 
 A is [M, K], each B is [N, K] (``nn.Linear``'s weight layout), every operand read through
 its strides, so transposes are free. Constexpr flags select the fused work:
-  GATED        a second weight B_up and a second fp32 accumulator: C = geglu(gate, up)
+  GATED        a second weight B_up and a second fp32 accumulator (STACKED: one of twice
+               the rows): C = geglu(gate, up)
                with gate = A @ B^T (+ bias), up = A @ B_up^T (+ bias_up), eager's rounding
   ACTIVATION   0: none, 1: exact GeLU, 2: tanh GeLU, applied to the biased accumulator
                (GATED: the GeLU of the gate)
@@ -293,8 +294,8 @@ def _split_k_reduce(
 @triton.jit
 def gemm_kernel(
     a_ptr,  # [M, K] (FP8: e4m3, or 16-bit with QUANT_A)
-    b_ptr,  # [N, K]; B_TMA: its descriptor, [BLOCK_N, BLOCK_K] boxes
-    b_up_ptr,  # [N, K] (GATED), as b_ptr
+    b_ptr,  # [N, K]; B_TMA: its descriptor, [BLOCK_N, BLOCK_K] boxes (STACKED: [2, N, K])
+    b_up_ptr,  # [N, K] (GATED), as b_ptr; None with STACKED
     bias_ptr,  # [N]
     bias_up_ptr,  # [N] (GATED)
     c_ptr,  # [M, N]
@@ -419,7 +420,9 @@ def gemm_kernel(
     for k in range(k_first, k_end):
         a_mask, b_mask = _k_step_masks(mask_m, mask_n, offs_k, K - k * BLOCK_K, EVEN_K)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        if STACKED:  # both weights' [BLOCK_N, BLOCK_K] tiles, one box
+        if (
+            STACKED
+        ):  # both weights' [BLOCK_N, BLOCK_K] tiles, one box, zeros past N rows
             b = b_ptr.load([0, pid_n * BLOCK_N, k * BLOCK_K])
             b = b.reshape(2 * BLOCK_N, BLOCK_K)
         elif B_TMA:  # the weight's [BLOCK_N, BLOCK_K] box, zeros past its edges
@@ -476,8 +479,11 @@ def gemm_kernel(
             b_ptrs += BLOCK_K * stride_bk
 
     if STACKED:
-        rows = acc1.T.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
-        acc1, acc2 = (rows[1], rows[0]) if UP_FIRST else rows
+        halves = acc1.T.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1)  # the box's order
+        if UP_FIRST:
+            acc2, acc1 = halves.split()
+        else:
+            acc1, acc2 = halves.split()
     elif SWAP_AB:
         acc1 = acc1.T
         acc2 = acc2.T

@@ -30,7 +30,8 @@ its strides, so transposes are free. Constexpr flags select the fused work:
                FP8 down GEMMs of up to 512 rows, split-K where TMA tiles leave SMs idle)
   STACKED      (portable kernel: FP8, GATED, SWAP_AB, B_TMA) one descriptor over both
                weights ([2, N, K]): each K step loads the gate and up tiles as one box
-               and issues one MMA over both (UP_FIRST: up at the lower address)
+               and issues one MMA over both, waited for once (two dots are waited for in
+               turn), the same products and scalings (UP_FIRST: up at the lower address)
   SPLIT_K      (portable kernel) programs per output tile, each summing a slice of K into
                an fp32 workspace; the last to finish adds the slices in a fixed order
                (deterministic) and applies the epilogue: decode shapes with fewer output
@@ -138,22 +139,6 @@ def _scaled_dot(
     else:
         acc = acc + _dot(a, b, None, INPUT_PRECISION) * a_scale[:, None] * b_scale
     return acc
-
-
-@triton.jit
-def _scaled_dot_stacked(
-    a, b, acc, a_scale, b_scale, b_up_scale,
-    INPUT_PRECISION: tl.constexpr, UP_FIRST: tl.constexpr,
-):  # fmt: skip
-    """_scaled_dot's SWAPPED product over the gate and up tiles stacked (``b``: [2 x
-    BLOCK_N, BLOCK_K], in memory order) with each weight's block scale on its rows: one
-    MMA per K step, waited for once (two dots were waited for in turn); the same products
-    and scalings."""
-    first, second = (b_up_scale, b_scale) if UP_FIRST else (b_scale, b_up_scale)
-    rows = tl.arange(0, b.shape[0])
-    row_scale = tl.where(rows < b.shape[0] // 2, first, second)
-    product = _dot(b, a.T, None, INPUT_PRECISION)
-    return acc + product * a_scale[None, :] * row_scale[:, None]
 
 
 @triton.jit
@@ -420,11 +405,9 @@ def gemm_kernel(
     for k in range(k_first, k_end):
         a_mask, b_mask = _k_step_masks(mask_m, mask_n, offs_k, K - k * BLOCK_K, EVEN_K)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        if (
-            STACKED
-        ):  # both weights' [BLOCK_N, BLOCK_K] tiles, one box, zeros past N rows
+        if STACKED:  # both weights' tiles as one box (zeros past their N rows)
             b = b_ptr.load([0, pid_n * BLOCK_N, k * BLOCK_K])
-            b = b.reshape(2 * BLOCK_N, BLOCK_K)
+            b = b.reshape(2 * BLOCK_N, BLOCK_K).T
         elif B_TMA:  # the weight's [BLOCK_N, BLOCK_K] box, zeros past its edges
             b = _tma_load(b_ptr, pid_n * BLOCK_N, k * BLOCK_K, False).T
         else:
@@ -447,16 +430,16 @@ def gemm_kernel(
             next_block = min(k + 1, k_tiles - 1) * stride_bsk
             b_scale = b_scale_next
             b_scale_next = tl.load(b_scale_row + next_block)
-            if STACKED:
+            if GATED:
                 b_up_scale = b_up_scale_next
                 b_up_scale_next = tl.load(b_up_scale_row + next_block)
-                acc1 = _scaled_dot_stacked(
-                    a, b, acc1, a_scale, b_scale, b_up_scale, INPUT_PRECISION, UP_FIRST
+            if STACKED:  # one MMA over both: each weight's rows by its own block scale
+                box0, box1 = (
+                    (b_up_scale, b_scale) if UP_FIRST else (b_scale, b_up_scale)
                 )
-            else:
-                acc1 = _scaled_dot(
-                    a, b, acc1, a_scale, b_scale, INPUT_PRECISION, SWAP_AB
-                )
+                rows = tl.arange(0, 2 * BLOCK_N)[:, None]
+                b_scale = tl.where(rows < BLOCK_N, box0, box1)
+            acc1 = _scaled_dot(a, b, acc1, a_scale, b_scale, INPUT_PRECISION, SWAP_AB)
         else:
             acc1 = _dot(a, b, acc1, INPUT_PRECISION)
         if GATED and not STACKED:
@@ -465,8 +448,6 @@ def gemm_kernel(
             else:
                 b_up = tl.load(b_up_ptrs, mask=b_mask, other=0.0)
             if FP8:
-                b_up_scale = b_up_scale_next
-                b_up_scale_next = tl.load(b_up_scale_row + next_block)
                 acc2 = _scaled_dot(
                     a, b_up, acc2, a_scale, b_up_scale, INPUT_PRECISION, SWAP_AB
                 )

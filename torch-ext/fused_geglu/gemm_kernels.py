@@ -382,9 +382,12 @@ def gemm_kernel(
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if FP8:
-        # Each K step's scales are loaded a step ahead: as plain loads in their step they
-        # were awaited after its MMA (A's are a new row of L2 each step); two steps ahead
-        # broke Triton's pipeline. The weights' next index is clamped to the last K block
+        # Each K step's scales are loaded a step ahead, once the step before has used its
+        # own (at the loop's end): one register each, the load in flight over the back
+        # edge. Loaded before that use, each took a second register and a copy at the
+        # loop's end that waited for the load; as plain loads in their step they were
+        # awaited after its MMA (A's are a new row of L2 each step); two steps ahead broke
+        # Triton's pipeline. The weights' next index is clamped to the last K block
         # and A's next rows are masked past the program's last step, by their bound (the
         # interpreter cannot AND a scalar condition into a block mask); the first loads
         # are masked for an empty split.
@@ -422,17 +425,9 @@ def gemm_kernel(
                 a, a_scale = quantize_rows(a.to(tl.float32))
             else:
                 a_scale = a_scale_next
-                a_scale_next = tl.load(
-                    a_scale_ptr + (k + 1) * M + offs_m,
-                    mask=offs_m < tl.where(k + 1 < k_end, M, 0),
-                    other=0.0,
-                )
-            next_block = min(k + 1, k_tiles - 1) * stride_bsk
             b_scale = b_scale_next
-            b_scale_next = tl.load(b_scale_row + next_block)
             if GATED:
                 b_up_scale = b_up_scale_next
-                b_up_scale_next = tl.load(b_up_scale_row + next_block)
             if STACKED:  # one MMA over both: each weight's rows by its own block scale
                 box0, box1 = (
                     (b_up_scale, b_scale) if UP_FIRST else (b_scale, b_up_scale)
@@ -455,6 +450,17 @@ def gemm_kernel(
                 acc2 = _dot(a, b_up, acc2, INPUT_PRECISION)
             if not B_TMA:
                 b_up_ptrs += BLOCK_K * stride_buk
+        if FP8:  # the next step's scales, after this step's last use of its own
+            next_block = min(k + 1, k_tiles - 1) * stride_bsk
+            if not QUANT_A:
+                a_scale_next = tl.load(
+                    a_scale_ptr + (k + 1) * M + offs_m,
+                    mask=offs_m < tl.where(k + 1 < k_end, M, 0),
+                    other=0.0,
+                )
+            b_scale_next = tl.load(b_scale_row + next_block)
+            if GATED:
+                b_up_scale_next = tl.load(b_up_scale_row + next_block)
         a_ptrs += BLOCK_K * stride_ak
         if not B_TMA:
             b_ptrs += BLOCK_K * stride_bk

@@ -548,6 +548,60 @@ def test_dual_gemm_writes_padded_h_scales(fused_geglu, device, m):
                             torch.bfloat16)  # fmt: skip
 
 
+def test_fp8_gemms_refuse_scales_they_would_misread(fused_geglu, device):
+    """The FP8 GEMMs index x's scales as k * M + row and read one stride pair for the gate's
+    and the up's scales: a padded x-scale buffer (rows M + 3 apart, as cuBLAS's rows pad
+    it), e8m0 or wrongly shaped weight scales, scales on another device and up scales of
+    other strides are refused by name; the same scales made contiguous give the result of
+    x's own buffer."""
+    weights, scales, _ = fp8_params(256, 256, 128, device, False)
+    gemm = fused_geglu.gemm
+    m = 40
+    x = torch.randn(m, 256, dtype=torch.bfloat16, device=device)
+    x_q = torch.empty(m, 256, dtype=FP8, device=device)
+    padded = torch.full((2, m + 3), float("nan"), device=device)
+    gemm.quantize_fp8(x, x_q, padded[:, :m])
+    x_s = padded[:, :m].contiguous()
+    h = torch.empty(m, 256, dtype=FP8, device=device)
+    h_s = torch.empty(2, m, device=device)
+
+    def dual(a_scale=x_s, gate_scale=scales[0], up_scale=scales[1]):
+        gemm.gemm_gated_fp8(x_q, a_scale, weights[0], gate_scale, weights[1], up_scale,
+                            h, h_s, gemm.GELU_TANH, torch.bfloat16)  # fmt: skip
+
+    def down(a_scale=x_s, b_scale=scales[2]):
+        out = torch.empty(m, 128, dtype=torch.bfloat16, device=device)
+        gemm.gemm_fp8(x_q, a_scale, weights[2], b_scale, out)
+
+    with pytest.raises(ValueError, match=r"a_scale must be .*rows 40 apart"):
+        dual(a_scale=padded[:, :m])
+    with pytest.raises(ValueError, match=r"a_scale must be .*rows 40 apart"):
+        down(a_scale=padded[:, :m])
+    with pytest.raises(ValueError, match=r"a_scale must be \[K/128, M\] = \[2, 40\]"):
+        dual(a_scale=x_s[:1])
+    e8m0 = scales[0].to(torch.float8_e8m0fnu)
+    with pytest.raises(ValueError, match="gate_scale must be .* float32"):
+        dual(gate_scale=e8m0)
+    with pytest.raises(ValueError, match=r"b_scale must be .* = \[1, 2\]"):
+        down(b_scale=scales[0])
+    with pytest.raises(
+        ValueError, match="up_scale must be .*with gate_scale's strides"
+    ):
+        dual(up_scale=scales[1].T.contiguous().T)
+    if device == "cuda":
+        with pytest.raises(ValueError, match="up_scale must be .* on cuda"):
+            dual(up_scale=scales[1].cpu())
+    down()
+    empty = torch.empty(0, 128, dtype=torch.bfloat16, device=device)
+    gemm.gemm_fp8(
+        x_q[:0], torch.empty(2, 0, device=device), weights[2], scales[2], empty
+    )
+    dual()
+    first = h.view(torch.uint8).clone(), h_s.clone()
+    dual(a_scale=padded[:, :m].contiguous())
+    assert torch.equal(first[0], h.view(torch.uint8)) and torch.equal(first[1], h_s)
+
+
 def test_ue8m0_scales(fused_geglu, device):
     """Scales stored as e8m0 (scale_fmt="ue8m0": powers of two) give the fp32 scales'
     result exactly."""

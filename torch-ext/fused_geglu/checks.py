@@ -328,6 +328,48 @@ def check_fp8_gemm_a(op: str, a: torch.Tensor, a_scale, max_16_bit_rows: int) ->
         )
 
 
+def check_fp8_gemm_scales(
+    op: str, a: torch.Tensor, a_scale, b, b_scale, up=None, b_name: str = "b_scale"
+) -> None:
+    """An FP8 GEMM's block scales as its kernels read them, on ``a``'s device: a_scale (an
+    e4m3 ``a``) [K/128, M] fp32, its rows exactly M apart (the kernels index it as k * M +
+    row); b_scale [N/128, K/128] fp32; ``up``: (b_up, up_scale), up_scale of b_scale's
+    shape and strides (the kernels take one pair)."""
+    device = a.device
+    up = () if up is None else (("up_scale", *up),)
+    for name, w, s in ((b_name, b, b_scale), *up):
+        want = fp8_scale_shape(w)
+        if (
+            s.dtype != torch.float32
+            or s.shape != want
+            or s.device != device
+            or (name == "up_scale" and s.stride() != b_scale.stride())
+        ):
+            same = f", with {b_name}'s strides" if name == "up_scale" else ""
+            raise ValueError(
+                f"{op}: {name} must be the weight's [N/128, K/128] = [{want[0]}, "
+                f"{want[1]}] float32 block scales on {device}{same}; got shape "
+                f"{tuple(s.shape)}, {s.dtype}, {s.device}, strides {s.stride()}"
+            )
+    if a_scale is None:
+        return
+    rows, blocks = a.numel() // max(a.shape[-1], 1), -(-a.shape[-1] // 128)
+    row_stride, col_stride = a_scale.stride()
+    if (
+        a_scale.dtype != torch.float32
+        or a_scale.shape != (blocks, rows)
+        or a_scale.device != device
+        or (rows > 1 and col_stride != 1)
+        or (blocks > 1 and rows > 0 and row_stride != rows)
+    ):
+        raise ValueError(
+            f"{op}: a_scale must be [K/128, M] = [{blocks}, {rows}] float32 on "
+            f"{device}, its rows {rows} apart (quantize_fp8's layout); got shape "
+            f"{tuple(a_scale.shape)}, {a_scale.dtype}, {a_scale.device}, strides "
+            f"{a_scale.stride()}"
+        )
+
+
 def check_fp8_scale_out(
     op: str, scale: torch.Tensor, blocks: int, rows: int, name: str = "h_scale"
 ) -> None:

@@ -36,6 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .checks import (
     check_contiguous,
     check_fp8_gemm_a,
+    check_fp8_gemm_scales,
     check_fp8_quantize_operands,
     check_fp8_scale_out,
     check_split_k_counters,
@@ -765,7 +766,7 @@ FP8_QUANT_A_ROWS = 32
 
 def gemm_fp8(
     a: torch.Tensor,  # [M, K] e4m3
-    a_scale: torch.Tensor,  # [cdiv(K, 128), M] fp32
+    a_scale: torch.Tensor,  # [cdiv(K, 128), M] fp32, rows M apart
     b: torch.Tensor,  # [N, K] e4m3
     b_scale: torch.Tensor,  # [cdiv(N, 128), cdiv(K, 128)] fp32
     c: torch.Tensor,  # [M, N], 16-bit
@@ -778,6 +779,7 @@ def gemm_fp8(
     zeroed by an earlier launch (gemm_gated_fp8's ``clear``); unused where the plan does
     not split K."""
     check_fp8_gemm_a("gemm_fp8", a, a_scale, max_16_bit_rows=0)
+    check_fp8_gemm_scales("gemm_fp8", a, a_scale, b, b_scale)
     check_split_k_counters(
         "gemm_fp8", "counters", counters, a.device, num_programs(a.device)
     )
@@ -788,7 +790,7 @@ def gemm_fp8(
 
 def gemm_gated_fp8(
     a: torch.Tensor,  # [M, K] e4m3, or 16-bit (M <= FP8_QUANT_A_ROWS)
-    a_scale: torch.Tensor | None,  # [cdiv(K, 128), M] fp32; None for a 16-bit a
+    a_scale: torch.Tensor | None,  # [cdiv(K, 128), M] fp32, rows M apart, or None
     b_gate: torch.Tensor,  # [N, K] e4m3
     gate_scale: torch.Tensor,  # [cdiv(N, 128), cdiv(K, 128)] fp32
     b_up: torch.Tensor,  # [N, K] e4m3
@@ -809,6 +811,9 @@ def gemm_gated_fp8(
     ``clear``: counters the launch zeroes for the down GEMM's split-K (the portable kernel
     then runs)."""
     check_fp8_gemm_a("gemm_gated_fp8", a, a_scale, max_16_bit_rows=FP8_QUANT_A_ROWS)
+    check_fp8_gemm_scales(
+        "gemm_gated_fp8", a, a_scale, b_gate, gate_scale, (b_up, up_scale), "gate_scale"
+    )
     check_fp8_scale_out(
         "gemm_gated_fp8", h_scale, cdiv(b_gate.shape[0], FP8_BLOCK), _rows(a)[0]
     )

@@ -577,7 +577,9 @@ def test_fp8_gemms_refuse_scales_they_would_misread(fused_geglu, device):
         dual(a_scale=padded[:, :m])
     with pytest.raises(ValueError, match=r"a_scale must be .*rows 40 apart"):
         down(a_scale=padded[:, :m])
-    with pytest.raises(ValueError, match=r"a_scale must be \[K/128, M\] = \[2, 40\]"):
+    with pytest.raises(
+        ValueError, match=r"a_scale must be \[128-column blocks, rows\] = \[2, 40\]"
+    ):
         dual(a_scale=x_s[:1])
     e8m0 = scales[0].to(torch.float8_e8m0fnu)
     with pytest.raises(ValueError, match="gate_scale must be .* float32"):

@@ -332,9 +332,9 @@ def check_fp8_gemm_scales(
     op: str, a: torch.Tensor, a_scale, b, b_scale, up=None, b_name: str = "b_scale"
 ) -> None:
     """An FP8 GEMM's block scales as its kernels read them, on ``a``'s device: a_scale (an
-    e4m3 ``a``) [K/128, M] fp32, its rows exactly M apart (the kernels index it as k * M +
-    row); b_scale [N/128, K/128] fp32; ``up``: (b_up, up_scale), up_scale of b_scale's
-    shape and strides (the kernels take one pair)."""
+    e4m3 ``a``) as check_fp8_row_scales' unpadded ones; b_scale [N/128, K/128] fp32;
+    ``up``: (b_up, up_scale), up_scale of b_scale's shape and strides (the kernels take
+    one pair)."""
     device = a.device
     up = () if up is None else (("up_scale", *up),)
     for name, w, s in ((b_name, b, b_scale), *up):
@@ -351,46 +351,37 @@ def check_fp8_gemm_scales(
                 f"{want[1]}] float32 block scales on {device}{same}; got shape "
                 f"{tuple(s.shape)}, {s.dtype}, {s.device}, strides {s.stride()}"
             )
-    if a_scale is None:
-        return
-    rows, blocks = a.numel() // max(a.shape[-1], 1), -(-a.shape[-1] // 128)
-    row_stride, col_stride = a_scale.stride()
-    if (
-        a_scale.dtype != torch.float32
-        or a_scale.shape != (blocks, rows)
-        or a_scale.device != device
-        or (rows > 1 and col_stride != 1)
-        or (blocks > 1 and rows > 0 and row_stride != rows)
-    ):
-        raise ValueError(
-            f"{op}: a_scale must be [K/128, M] = [{blocks}, {rows}] float32 on "
-            f"{device}, its rows {rows} apart (quantize_fp8's layout); got shape "
-            f"{tuple(a_scale.shape)}, {a_scale.dtype}, {a_scale.device}, strides "
-            f"{a_scale.stride()}"
-        )
+    if a_scale is not None:
+        rows, blocks = a.numel() // max(a.shape[-1], 1), -(-a.shape[-1] // 128)
+        check_fp8_row_scales(op, a_scale, blocks, rows, device, "a_scale", padded=False)
 
 
-def check_fp8_scale_out(
-    op: str, scale: torch.Tensor, blocks: int, rows: int, name: str = "h_scale"
-) -> None:
-    """Block scales an FP8 kernel writes: [blocks, rows] fp32 with unit column stride, its
-    rows at least ``rows`` apart (a padded buffer's leading columns are fine)."""
+def check_fp8_row_scales(op: str, scale: torch.Tensor, blocks: int, rows: int, device,
+                         name: str, *, padded: bool) -> None:  # fmt: skip
+    """Per-row block scales: [blocks, rows] fp32 on ``device`` with unit column stride, its
+    rows at least ``rows`` apart where the kernel takes their stride (``padded``: the
+    scales it writes, a padded buffer's leading columns being fine), else exactly
+    ``rows`` apart (the scales it reads, indexed as block * rows + row)."""
+    row_stride = scale.stride(0)
     if (
-        tuple(scale.shape) != (blocks, rows)
+        scale.shape != (blocks, rows)
         or scale.dtype != torch.float32
+        or scale.device != device
         or scale.stride(1) != 1
-        or scale.stride(0) < rows
+        or (row_stride < rows if padded else blocks > 1 and 0 < rows != row_stride)
     ):
+        apart = f"at least {rows}" if padded else f"{rows}"
         raise ValueError(
             f"{op}: {name} must be [128-column blocks, rows] = [{blocks}, {rows}] fp32 "
-            f"with unit column stride and rows at least {rows} apart; got shape "
-            f"{tuple(scale.shape)} {scale.dtype}, strides {scale.stride()}"
+            f"on {device} with unit column stride and rows {apart} apart; got shape "
+            f"{tuple(scale.shape)} {scale.dtype} on {scale.device}, strides "
+            f"{scale.stride()}"
         )
 
 
 def check_fp8_quantize_operands(op: str, x, up, q, s, rows: int, cols: int) -> None:
     """quantize_fp8's operands: ``up`` (or None) x's twin in shape, strides, dtype and
-    device; q [rows, cols] e4m3, contiguous; s its scales (check_fp8_scale_out)."""
+    device; q [rows, cols] e4m3, contiguous; s its scales (check_fp8_row_scales)."""
     if up is not None and (
         up.shape != x.shape
         or up.stride() != x.stride()
@@ -411,7 +402,7 @@ def check_fp8_quantize_operands(op: str, x, up, q, s, rows: int, cols: int) -> N
             f"{op}: q must be [{rows}, {cols}] float8_e4m3fn, contiguous; got "
             f"{tuple(q.shape)} {q.dtype}, strides {q.stride()}"
         )
-    check_fp8_scale_out(op, s, -(-cols // 128), rows, "s")
+    check_fp8_row_scales(op, s, -(-cols // 128), rows, x.device, "s", padded=True)
 
 
 def check_split_k_counters(op: str, name: str, counters, device, at_least: int) -> None:

@@ -38,7 +38,7 @@ from .checks import (
     check_fp8_gemm_a,
     check_fp8_gemm_scales,
     check_fp8_quantize_operands,
-    check_fp8_scale_out,
+    check_fp8_row_scales,
     check_split_k_counters,
 )
 from .gemm_kernels import (
@@ -814,9 +814,10 @@ def gemm_gated_fp8(
     check_fp8_gemm_scales(
         "gemm_gated_fp8", a, a_scale, b_gate, gate_scale, (b_up, up_scale), "gate_scale"
     )
-    check_fp8_scale_out(
-        "gemm_gated_fp8", h_scale, cdiv(b_gate.shape[0], FP8_BLOCK), _rows(a)[0]
-    )
+    check_fp8_row_scales(
+        "gemm_gated_fp8", h_scale, cdiv(b_gate.shape[0], FP8_BLOCK), _rows(a)[0],
+        a.device, "h_scale", padded=True,
+    )  # fmt: skip
     check_split_k_counters("gemm_gated_fp8", "clear", clear, a.device, 1)
     epi = (activation, True, False, NO_ACT, False, False, bias_gate is not None, True,
            True, act_dtype == torch.bfloat16, a_scale is None,

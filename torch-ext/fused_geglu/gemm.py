@@ -20,6 +20,8 @@ FP8 (e4m3 weights with 128 x 128 block scales, transformers' FineGrainedFP8):
   geglu_mlp_small(..., scales=(gate_scale, up_scale, down_scale)) with e4m3 weights
   gemm_fp8_cublas(a, a_scale, b, b_scale, dtype)
                                          gemm_fp8's product by cuBLAS (fp8_cublas_applies)
+  launch_gemm_fp8, launch_gemm_gated_fp8 the two FP8 GEMMs without their checks, for the
+                                         FP8 MLP's operands (checked once per call upstream)
 
 ``act`` is an activation code: GELU (exact) or GELU_TANH. Rounding points are eager's
 (gemm_kernels.py). Configurations are chosen in ``gemm_config`` from the shape class; a
@@ -783,6 +785,13 @@ def gemm_fp8(
     check_split_k_counters(
         "gemm_fp8", "counters", counters, a.device, num_programs(a.device)
     )
+    launch_gemm_fp8(a, a_scale, b, b_scale, c, bias=bias, counters=counters)
+
+
+def launch_gemm_fp8(a, a_scale, b, b_scale, c, *, bias=None, counters=None) -> None:
+    """gemm_fp8 without its checks, for operands already in the form it checks: the FP8
+    MLP's (library), whose weights and scales were checked once per call of the op or
+    when the layer's route was built, and whose quantized activations it allocates."""
     epi = (NO_ACT, False, False, NO_ACT, False, False, bias is not None, True)
     scales = (a_scale, b_scale, None, None)
     _gemm(a, b, c, epi, bias=bias, scales=scales, counters=counters)
@@ -819,6 +828,16 @@ def gemm_gated_fp8(
         a.device, "h_scale", padded=True,
     )  # fmt: skip
     check_split_k_counters("gemm_gated_fp8", "clear", clear, a.device, 1)
+    launch_gemm_gated_fp8(
+        a, a_scale, b_gate, gate_scale, b_up, up_scale, h, h_scale, activation, act_dtype,
+        bias_gate=bias_gate, bias_up=bias_up, clear=clear,
+    )  # fmt: skip
+
+
+def launch_gemm_gated_fp8(a, a_scale, b_gate, gate_scale, b_up, up_scale, h, h_scale,
+                          activation: int, act_dtype: torch.dtype, *, bias_gate=None,
+                          bias_up=None, clear=None) -> None:  # fmt: skip
+    """gemm_gated_fp8 without its checks (launch_gemm_fp8's reason)."""
     epi = (activation, True, False, NO_ACT, False, False, bias_gate is not None, True,
            True, act_dtype == torch.bfloat16, a_scale is None,
            0 if clear is None else clear.numel())  # fmt: skip

@@ -33,11 +33,11 @@ from .gemm import (
     gemm,
     gemm_act,
     gemm_dact,
-    gemm_fp8,
     gemm_fp8_cublas,
     gemm_gated,
-    gemm_gated_fp8,
     later_split_k_counters,
+    launch_gemm_fp8,
+    launch_gemm_gated_fp8,
     quantize_fp8,
     tma_applies,
 )
@@ -371,8 +371,9 @@ geglu_mlp = KernelOp(
 
 def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_gate,
                    b_up, b_down, approximate, one_launch):  # fmt: skip
-    """The FP8 MLP (fp32 block scales; gate_scale and up_scale of one stride): in one
-    launch (``one_launch``: at most MLP_MAX_TOKENS rows); all three products by cuBLAS
+    """The FP8 MLP (arguments checked by the caller, so its GEMMs launch unchecked; fp32
+    block scales; gate_scale and up_scale of one stride): in one launch (``one_launch``:
+    at most MLP_MAX_TOKENS rows); all three products by cuBLAS
     where fp8_cublas_applies to each (prefill on Hopper: _geglu_mlp_fp8_cublas); or x
     quantized (inside the dual GEMM up to FP8_QUANT_A_ROWS rows), the dual GEMM handing h
     over quantized, and the down GEMM (cuBLAS's where fp8_cublas_applies: h's rows then
@@ -418,7 +419,7 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
         and torch.cuda.is_current_stream_capturing()
     ):
         counters = later_split_k_counters(x.device)
-    gemm_gated_fp8(
+    launch_gemm_gated_fp8(
         x_q, x_scale, w_gate, gate_scale, w_up, up_scale, h_out, h_scale_out, act,
         x.dtype, bias_gate=b_gate, bias_up=b_up, clear=counters,
     )  # fmt: skip
@@ -426,7 +427,7 @@ def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_
         out = gemm_fp8_cublas(h, h_scale, w_down, down_scale, x.dtype)
         return out[:m].view(*x.shape[:-1], n)
     out = _empty(x, *x.shape[:-1], n)
-    gemm_fp8(h, h_scale, w_down, down_scale, out, bias=b_down, counters=counters)
+    launch_gemm_fp8(h, h_scale, w_down, down_scale, out, bias=b_down, counters=counters)
     return out
 
 

@@ -2,7 +2,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cksum requirements-test.txt | cut -d' ' -f1)
+# torch's CUDA (or ROCm) wheel brings the Triton it requires. Its CPU wheel requires none:
+# there the Triton interpreter runs the kernels under INTERPRETER_TRITON, any Triton torch
+# ships (3.6-3.9), e.g. `make test INTERPRETER_TRITON=3.6.0 VENV=.venv-3.6`.
+INTERPRETER_TRITON ?= 3.9.0
+STAMP := $(VENV)/.installed-$(shell cksum requirements-test.txt | cut -d' ' -f1)-$(INTERPRETER_TRITON)
 
 .PHONY: setup build test demo lint bench report e2e results upload clean
 
@@ -11,6 +15,8 @@ setup: $(STAMP)
 $(STAMP): requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-test.txt
+	@if $(PY) -c "import sys, torch; sys.exit(bool(torch.version.cuda or torch.version.hip))"; \
+	then $(PY) -m pip install -q triton==$(INTERPRETER_TRITON); fi
 	rm -f $(VENV)/.installed-* && touch $@
 
 build: $(STAMP)

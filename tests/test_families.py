@@ -487,11 +487,9 @@ def test_saved_checkpoint_then_kernelize(device, family, tmp_path):
 def test_from_pretrained_use_kernels(device, family, tmp_path, monkeypatch):
     """transformers' load-time path: use_kernels=True with a KernelConfig, our checkout
     standing in for the Hub repository through LOCAL_KERNELS."""
-    import kernels.load
     from transformers import KernelConfig
 
     monkeypatch.setenv("LOCAL_KERNELS", f"org/fused-geglu={ROOT}")
-    kernels.load._parse_local_kernel_overrides.cache_clear()
     build, step, defaults = FAMILIES[family]
     eager = build(device, **defaults)
     eager.save_pretrained(tmp_path)

@@ -1,4 +1,4 @@
-"""The package as kernels 0.17.2 sees it: the build layout and metadata, and every way a
+"""The package as kernels sees it (its public API only): the build layout and metadata, and every way a
 user loads it (local path, local layer, LOCAL_KERNELS override), all without network."""
 
 import ast
@@ -13,14 +13,12 @@ from pathlib import Path
 
 import huggingface_hub.constants
 import kernels
-import kernels.load
 import pytest
 import torch
 from conftest import ROOT, run_python
-from kernels._rust import Backend
-from kernels.layer.layer import _validate_layer
 from reference import assert_close_to_ref, eager_geglu, geglu_ref
 from torch import nn
+from transformers import Gemma2Config, Gemma3TextConfig, GemmaConfig
 from transformers.models.gemma.modeling_gemma import GemmaMLP
 from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP
@@ -47,11 +45,9 @@ def no_network(monkeypatch):
 
 @pytest.fixture
 def local_kernels(monkeypatch, no_network):
-    """``LOCAL_KERNELS`` points REPO_ID at this checkout; kernels caches the parsed variable."""
+    """``LOCAL_KERNELS`` points REPO_ID at this checkout (kernels parses the variable's
+    value at each lookup, caching by value)."""
     monkeypatch.setenv("LOCAL_KERNELS", f"{REPO_ID}={ROOT}")
-    kernels.load._parse_local_kernel_overrides.cache_clear()
-    yield
-    kernels.load._parse_local_kernel_overrides.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +99,7 @@ def test_metadata_matches_build_toml(built, backend):
     assert str(metadata.name) == GENERAL["name"]
     assert metadata.version == GENERAL["version"]
     assert metadata.license == GENERAL["license"]
-    assert metadata.backend.backend_type == Backend.from_str(backend)
+    assert str(metadata.backend.backend_type) == backend
     assert metadata.python_depends == [] and metadata.kernel_depends == []
     repo = f"https://huggingface.co/kernels/{REPO_ID}"
     assert metadata.upstream == repo
@@ -213,11 +209,29 @@ def test_local_layer_repository(fused_geglu):
     assert layer.has_backward is True and layer.can_torch_compile is True
 
 
-@pytest.mark.parametrize("mlp_cls", [GemmaMLP, Gemma2MLP, Gemma3MLP])
-def test_layer_passes_kernelize_validation(fused_geglu, mlp_cls):
-    """The check kernelize runs before swapping a forward, against each MLP we replace."""
-    layer = fused_geglu.layers.GeGLUMLP
-    _validate_layer(check_cls=mlp_cls, cls=layer, repo="fused-geglu")
+@pytest.mark.parametrize(
+    "mlp_cls, config",
+    [
+        (GemmaMLP, GemmaConfig(hidden_size=16, intermediate_size=24)),
+        (Gemma2MLP, Gemma2Config(hidden_size=16, intermediate_size=24)),
+        (Gemma3MLP, Gemma3TextConfig(hidden_size=16, intermediate_size=24)),
+    ],
+    ids=["gemma", "gemma2", "gemma3"],
+)
+def test_layer_passes_kernelize_validation(fused_geglu, mlp_cls, config):
+    """kernelize validates a layer against the class it replaces before it swaps the
+    forward: each MLP we replace takes our forward through kernels' public API."""
+    kernels.replace_kernel_forward_from_hub(mlp_cls, "GeGLUMLP")
+    model = nn.Sequential(mlp_cls(config))
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        expected = model(x)
+    layer = kernels.LocalLayerRepository(ROOT, layer_name="GeGLUMLP")
+    with kernels.use_kernel_mapping({"GeGLUMLP": {"cpu": layer}}, inherit_mapping=False):
+        kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device="cpu")
+    assert model[0].forward.__func__.__qualname__ == "GeGLUMLP.forward"
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -230,21 +244,18 @@ def test_get_kernel_with_local_override(fused_geglu, device, local_kernels, pin)
     check_geglu(module, device)
 
 
-def test_layer_repository_with_local_override(fused_geglu, local_kernels):
-    layer = kernels.LayerRepository(
-        REPO_ID, layer_name="GeGLUMLP", revision="main"
-    ).load()
+@pytest.mark.parametrize(
+    "pin", [{"revision": "main"}, {"version": 1}], ids=["revision", "version"]
+)
+def test_layer_repository_with_local_override(
+    fused_geglu, local_kernels, monkeypatch, tmp_path, pin
+):
+    """LayerRepository consults LOCAL_KERNELS before the Hub with either pin: both load
+    offline from an empty cache."""
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
+    layer = kernels.LayerRepository(REPO_ID, layer_name="GeGLUMLP", **pin).load()
     assert layer.__qualname__ == "GeGLUMLP"
     assert layer.__module__ == f"{fused_geglu.__name__}.layers"
-
-
-def test_layer_repository_version_needs_the_hub(local_kernels, monkeypatch, tmp_path):
-    """LayerRepository turns ``version=`` into a commit through the Hub's refs before it
-    consults LOCAL_KERNELS, so offline overrides need ``revision=`` (docs/usage.md says so)."""
-    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))  # an empty cache: no refs
-    repo = kernels.LayerRepository(REPO_ID, layer_name="GeGLUMLP", version=1)
-    with pytest.raises(ValueError, match="not available in the local cache"):
-        repo.load()
 
 
 def test_loading_makes_no_network_access(device):

@@ -218,17 +218,19 @@ def test_local_layer_repository(fused_geglu):
     ],
     ids=["gemma", "gemma2", "gemma3"],
 )
-def test_layer_passes_kernelize_validation(fused_geglu, mlp_cls, config):
+def test_layer_passes_kernelize_validation(fused_geglu, device, mlp_cls, config):
     """kernelize validates a layer against the class it replaces before it swaps the
     forward: each MLP we replace takes our forward through kernels' public API."""
     kernels.replace_kernel_forward_from_hub(mlp_cls, "GeGLUMLP")
-    model = nn.Sequential(mlp_cls(config))
-    x = torch.randn(2, 3, 16)
+    model = nn.Sequential(mlp_cls(config)).to(device)
+    x = torch.randn(2, 3, 16, device=device)
     with torch.no_grad():
         expected = model(x)
     layer = kernels.LocalLayerRepository(ROOT, layer_name="GeGLUMLP")
-    with kernels.use_kernel_mapping({"GeGLUMLP": {"cpu": layer}}, inherit_mapping=False):
-        kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device="cpu")
+    with kernels.use_kernel_mapping(
+        {"GeGLUMLP": {device: layer}}, inherit_mapping=False
+    ):
+        kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device=device)
     assert model[0].forward.__func__.__qualname__ == "GeGLUMLP.forward"
     with torch.no_grad():
         torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)

@@ -1,227 +1,218 @@
-"""Sweep the launch-configuration tables' candidates on this GPU (bf16) and write the times
-as JSON: the evidence behind the choices in elementwise.py (FLAT_TILES,
-row_tile_config, also at the families' widths) and gemm.gemm_config. cuBLAS is timed in
-the same run.
-Usage: python benchmarks/tune.py --out tune.json"""
+"""Sweep the launch table's candidates on this GPU (Gemma-2B's MLP shapes, bf16) and write
+the times as JSON; with ``--write``, also the table itself, which the package reads for
+this GPU (torch-ext/fused_geglu/tuning_<GPU>.json; ``make build`` ships it). Each entry of
+the table is the fastest candidate of its sweep; entries not swept keep the table in use.
+cuBLAS and eager are timed in the same run. Candidates run through tuning.use (a table
+in force), never by patching the package.
+
+Usage: python benchmarks/tune.py [--only gemm decode ...] [--write] [--out tune.json]"""
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 import bench_lib as lib
 import torch
 import torch.nn.functional as F
-import triton
+
+H, I = 2048, 16384  # Gemma-2B
+DT = torch.bfloat16
 
 
-def elementwise(act):
-    """Contiguous operands (one long row: FLAT_TILES, per kernel) and strided ones (the
-    halves of one [M, 2N] tensor, row tiles: row_tile_config), 8192 x 16384. Launch plans
-    are cached: each candidate starts from an empty plan cache."""
-    dt = torch.bfloat16
-    g, u, dy = (torch.randn(8192, 16384, dtype=dt, device="cuda") for _ in range(3))
-    x = torch.randn(8192, 2 * 16384, dtype=dt, device="cuda")
+def timed(ours, key: str, fn, candidates: dict, graph: bool = False) -> dict:
+    """{candidate name: ms} of ``fn`` under each candidate's table fields; a candidate
+    that does not fit (shared memory) is recorded with its error."""
+    result = {}
+    for name, fields in candidates.items():
+        with ours.tuning.use("cuda", **fields):
+            try:
+                result[name] = lib.bench_ms(fn, graph)
+            except Exception as error:  # noqa: BLE001 (a candidate that cannot launch)
+                result[name] = repr(error)[:100]
+        print(key, name, result[name], flush=True)
+    return result
+
+
+def fastest(times: dict) -> str:
+    """The name of the fastest candidate that ran."""
+    return min((ms, name) for name, ms in times.items() if isinstance(ms, float))[1]
+
+
+def sweep(ours, key: str, fn, candidates: dict, graph: bool = False) -> tuple:
+    """({candidate: ms}, the fastest candidate's fields)."""
+    times = timed(ours, key, fn, candidates, graph)
+    return times, candidates[fastest(times)]
+
+
+def gemm_candidates(table, shape_class: str, tiles: list) -> dict:
+    """Candidates replacing one shape class's tiles, the table's own first."""
+    current = tuple(table.gemm[shape_class])
+    return {
+        str(t): {"gemm": {**table.gemm, shape_class: t}}
+        for t in [current] + [tuple(t) for t in tiles if tuple(t) != current]
+    }
+
+
+def gemms(ours, table) -> tuple[dict, dict]:
+    """The 16-bit GEMM classes: TMA tiles at 8192 tokens (single with N = 16384, narrow
+    single with N = 2048, dual), decode tiles at 16 and 64 tokens (CUDA-graph replay);
+    cuBLAS (twice, for the dual GEMM's two products) in the same run."""
+    wg, wu = (torch.randn(I, H, dtype=DT, device="cuda") / H**0.5 for _ in range(2))
+    wd = torch.randn(H, I, dtype=DT, device="cuda") / I**0.5
+    tma = [(128, 256, 64, 8, 8, 3), (128, 256, 64, 16, 8, 3), (128, 256, 64, 4, 8, 3),
+           (256, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 4, 4),
+           (64, 256, 64, 8, 8, 4)]  # fmt: skip
+    dual = [(128, 128, 64, 16, 8, 3), (128, 128, 64, 8, 8, 3), (128, 128, 64, 32, 8, 3),
+            (128, 128, 64, 16, 8, 4), (128, 64, 64, 16, 8, 4), (256, 64, 64, 16, 8, 3),
+            (64, 128, 64, 16, 4, 4)]  # fmt: skip
+    decode = {16: [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 8, 4),
+                   (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 4)],
+              64: [(64, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 3), (64, 64, 64, 1, 4, 6),
+                   (64, 128, 128, 1, 8, 3), (64, 64, 128, 1, 8, 4), (64, 32, 256, 1, 4, 3)]}  # fmt: skip
+    x = torch.randn(8192, H, dtype=DT, device="cuda")
+    h = torch.randn(8192, I, dtype=DT, device="cuda")
+    cases = {  # shape class: (ours, tiles, cuBLAS's time)
+        "tma_single": (lambda: ours.linear(x, wg), tma, lambda: lib.bench_ms(lambda: F.linear(x, wg))),
+        "tma_single_narrow": (lambda: ours.linear(h, wd), tma, lambda: lib.bench_ms(lambda: F.linear(h, wd))),
+        "tma_gated": (lambda: ours.geglu_linear(x, wg, wu), dual, lambda: 2 * lib.bench_ms(lambda: F.linear(x, wg))),
+    }  # fmt: skip
+    for tokens, tiles in decode.items():
+        xs = torch.randn(tokens, H, dtype=DT, device="cuda")
+        hs = torch.randn(tokens, I, dtype=DT, device="cuda")
+        cases[f"decode{tokens}_single"] = (
+            lambda hs=hs: ours.linear(hs, wd), tiles,
+            lambda hs=hs: lib.bench_ms(lambda: F.linear(hs, wd), True),
+        )  # fmt: skip
+        cases[f"decode{tokens}_gated"] = (
+            lambda xs=xs: ours.geglu_linear(xs, wg, wu), tiles,
+            lambda xs=xs: 2 * lib.bench_ms(lambda: F.linear(xs, wg), True),
+        )  # fmt: skip
+    result, chosen = {}, dict(table.gemm)
+    for shape_class, (fn, tiles, cublas_ms) in cases.items():
+        candidates = gemm_candidates(table, shape_class, tiles)
+        graph = shape_class.startswith("decode")
+        times, fields = sweep(ours, shape_class, fn, candidates, graph)
+        result[shape_class] = {**times, "cublas": cublas_ms()}
+        chosen[shape_class] = fields["gemm"][shape_class]
+    return result, {"gemm": chosen}
+
+
+def decode_mlp(ours, table) -> tuple[dict, dict]:
+    """The one-launch MLP's tiles at 1 and 16 tokens (CUDA-graph replay), against the
+    weight-streaming floor (the three weights at the measured copy rate) and eager; the
+    candidate with the least time summed over both."""
+    gm = ours.gemm
+    wg, wu = (torch.randn(I, H, dtype=DT, device="cuda") / H**0.5 for _ in range(2))
+    wd = torch.randn(H, I, dtype=DT, device="cuda") / I**0.5
+    keys = ("BLOCK_I", "BLOCK_K", "BLOCK_N", "num_warps", "num_stages")
+    tiles = [(128, 128, 256, 8, 3), (128, 128, 256, 8, 4), (128, 128, 128, 8, 3),
+             (128, 128, 128, 8, 4), (64, 128, 256, 8, 3), (64, 128, 128, 4, 4),
+             (128, 256, 256, 8, 2), (128, 128, 256, 4, 3)]  # fmt: skip
+    current = tuple(table.mlp[k] for k in keys)
+    candidates = {
+        str(t): {"mlp": {**table.mlp, **dict(zip(keys, t))}}
+        for t in [current] + [t for t in tiles if t != current]
+    }
+    result = {"floor_ms": 3 * H * I * 2 / (lib.ceilings()["copy_TBps"] * 1e9)}
+    for tokens in (1, 16):
+        x = torch.randn(tokens, H, dtype=DT, device="cuda")
+        out = torch.empty(tokens, H, dtype=DT, device="cuda")
+        result[str(tokens)] = row = timed(
+            ours,
+            f"one-launch MLP, {tokens} tokens",
+            lambda: gm.geglu_mlp_small(x, wg, wu, wd, out, gm.GELU_TANH),
+            candidates,
+            graph=True,
+        )
+        row["eager"] = lib.bench_ms(
+            lambda: F.linear(
+                F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu), wd
+            ),
+            True,
+        )
+    total = {
+        name: result["1"][name] + result["16"][name]
+        for name in candidates
+        if isinstance(result["1"][name], float)
+        and isinstance(result["16"][name], float)
+    }
+    return result, candidates[fastest(total)]
+
+
+def elementwise(ours, table) -> tuple[dict, dict]:
+    """Contiguous operands (one long row: flat tiles, per direction) and strided ones (the
+    halves of one [M, 2N] tensor, row tiles of ``row_tile_elements``), 8192 x 16384, and
+    ModernBERT's halves (8192 x 1152), against a copy."""
+    g, u, dy = (torch.randn(8192, I, dtype=DT, device="cuda") for _ in range(3))
     out = torch.empty_like(g)
     result = {"copy_ms": lib.bench_ms(lambda: out.copy_(g))}
-    default = dict(act.FLAT_TILES)
-    for cfg in [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]:
-        act.FLAT_TILES.update(dict.fromkeys(default, cfg))
-        act._PLANS.clear()
-        result[f"flat{cfg}"] = {
-            "fwd_ms": lib.bench_ms(lambda: act.geglu_forward(g, u, out, "tanh")),
-            "bwd_ms": lib.bench_ms(lambda: act.geglu_backward(dy, g, u, "tanh")),
-        }
-        print("flat", cfg, result[f"flat{cfg}"], flush=True)
-    act.FLAT_TILES.update(default)
-    default = act.row_tile_config
-    for cfg in [(4, 1024, 4), (2, 2048, 4), (4, 2048, 8), (1, 4096, 8)]:
-        act.row_tile_config = lambda n, e, cfg=cfg: cfg
-        act._PLANS.clear()
-        ms = lib.bench_ms(
-            lambda: act.geglu_forward(x[:, :16384], x[:, 16384:], out, "tanh")
-        )
-        result[f"rows{cfg}"] = {"fwd_ms": ms}
-        print("rows", cfg, ms, flush=True)
-    act.row_tile_config = default
-    act._PLANS.clear()
-    return result
+    flats = [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]
+    act, chosen = ours.elementwise, {}
+    for key, fn in (
+        ("flat_forward", lambda: act.geglu_forward(g, u, out, "tanh")),
+        ("flat_backward", lambda: act.geglu_backward(dy, g, u, "tanh")),
+    ):
+        candidates = {str(t): {key: t} for t in [getattr(table, key)] + flats}
+        result[key], fields = sweep(ours, key, fn, candidates)
+        chosen |= fields
+    rows, candidates = (
+        {},
+        {str(e): {"row_tile_elements": e} for e in (4096, 8192, 16384)},
+    )
+    for M, N in ((8192, I), (8192, 1152)):
+        both = torch.randn(M, 2 * N, dtype=DT, device="cuda")
+        o = torch.empty(M, N, dtype=DT, device="cuda")
+        rows[f"{M}x{N}"] = timed(
+            ours, f"rows {M}x{N}",
+            lambda both=both, o=o, N=N: act.geglu_forward(both[:, :N], both[:, N:], o, "tanh"),
+            candidates,
+        )  # fmt: skip
+    result["row_tile_elements"] = rows
+    total = {e: sum(r[e] for r in rows.values()) for e in candidates}
+    return result, chosen | candidates[fastest(total)]
 
 
-def family_rows(act):
-    """Row tiles for the families' halves whose width is no power of two (ModernBERT
-    base: 2 x 1152 at 8192 tokens; SD 1.5 GEGLU: 2 x 2560 at 2048 tokens): forward, and
-    backward into strided outputs as in training, per candidate (the shipped one
-    first)."""
-    dt, default, result = torch.bfloat16, act.row_tile_config, {}
-    for M, N in ((8192, 1152), (2048, 2560)):
-        both = torch.randn(M, 2 * N, dtype=dt, device="cuda")
-        gate, up = both[:, :N], both[:, N:]
-        dy, out = (torch.empty(M, N, dtype=dt, device="cuda") for _ in range(2))
-        dy.normal_()
-        grads = torch.empty_like(both)  # strided like the in-place backward's outputs
-        dgate, dup = grads[:, :N], grads[:, N:]
-        shipped = default(N, 2)
-        for cfg in [shipped] + [(8192 // b, b, 8) for b in (2048, 1024, 512, 256)]:
-            act.row_tile_config = lambda n, e, cfg=cfg: cfg
-            act._PLANS.clear()
-            key = f"rows{M}x{N}{cfg}" + (" shipped" if cfg is shipped else "")
-            result[key] = {
-                "fwd_ms": lib.bench_ms(
-                    lambda: act.geglu_forward(gate, up, out, "tanh")
-                ),
-                "bwd_ms": lib.bench_ms(
-                    lambda: act.geglu_backward(dy, gate, up, "tanh", dgate, dup)
-                ),
-            }
-            print(key, result[key], flush=True)
-    act.row_tile_config = default
-    act._PLANS.clear()
-    return result
-
-
-def gemms(ours):
-    """Candidates per shape class: TMA tiles at 8192 tokens (single and dual), portable
-    tiles at decode sizes (CUDA-graph timing)."""
-    dt = torch.bfloat16
-    gm = ours.gemm
-    default = gm.gemm_config
-    single = [(128, 256, 64, 8, 8, 3), (256, 128, 64, 8, 8, 3), (128, 256, 64, 16, 8, 3),
-              (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 4)]  # fmt: skip
-    dual = [(128, 128, 64, 16, 8, 3), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4),
-            (256, 64, 64, 8, 8, 3), (64, 128, 64, 8, 4, 4)]  # fmt: skip
-    small = [(16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 16, 256, 1, 4, 4),
-             (16, 128, 128, 1, 8, 4), (32, 64, 128, 1, 4, 4), (64, 64, 128, 1, 4, 4)]  # fmt: skip
-    result = {}
-
-    def sweep(key, fn, cands, graph=False):
-        result[key] = {}
-        for cfg in cands:
-            gm.gemm_config = lambda *a, cfg=cfg: gm.GemmConfig(*cfg)
-            gm._PLANS.clear()
-            try:
-                result[key][str(cfg)] = lib.bench_ms(fn, graph)
-            except triton.runtime.errors.OutOfResources as e:  # shared memory
-                result[key][str(cfg)] = repr(e)[:100]
-            print(key, cfg, result[key][str(cfg)], flush=True)
-        gm.gemm_config = default
-        gm._PLANS.clear()
-
-    for m, n, k in ((8192, 16384, 2048), (8192, 2048, 16384), (4096, 4096, 4096), (8192, 4096, 4096)):  # fmt: skip
-        x = torch.randn(m, k, dtype=dt, device="cuda")
-        w = torch.randn(n, k, dtype=dt, device="cuda") / k**0.5
-        b = torch.randn(n, dtype=dt, device="cuda")
-        key = f"linear/{m}x{n}x{k}"
-        sweep(key, lambda: ours.linear(x, w, b), single)
-        result[key]["cublas"] = lib.bench_ms(lambda: F.linear(x, w, b))
-    h, i = 2048, 16384
-    wg, wu = (torch.randn(i, h, dtype=dt, device="cuda") / h**0.5 for _ in range(2))
-    wd = torch.randn(h, i, dtype=dt, device="cuda") / i**0.5
-    for tokens in (8192, 1, 16, 64):
-        x = torch.randn(tokens, h, dtype=dt, device="cuda")
-        hh = torch.randn(tokens, i, dtype=dt, device="cuda")
-        graph = tokens <= 64
-        sweep(
-            f"dual/{tokens}",
-            lambda: ours.geglu_linear(x, wg, wu),
-            small if graph else dual,
-            graph,
-        )
-        result[f"dual/{tokens}"]["cublas_x2"] = 2 * lib.bench_ms(
-            lambda: F.linear(x, wg), graph
-        )
-        if graph:
-            sweep(f"up/{tokens}", lambda: ours.linear(x, wg), small, graph)
-            sweep(f"down/{tokens}", lambda: ours.linear(hh, wd), small, graph)
-    return result
-
-
-def decode_mlp(ours):
-    """The whole-MLP kernel's tiles (gemm.mlp_config) on the Gemma-2B MLP at decode sizes,
-    against the two-kernel route (dual GEMM, cuBLAS down projection) and eager, by
-    CUDA-graph replay; the weight-streaming floor is the three weights at copy rate. With
-    e4m3 weights (128 x 128 block scales), the shipped tiles in one launch against the
-    three kernels (quantize, dual GEMM, down GEMM)."""
-    dt = torch.bfloat16
-    gm = ours.gemm
-    h, i = 2048, 16384
-    wg, wu = (torch.randn(i, h, dtype=dt, device="cuda") / h**0.5 for _ in range(2))
-    wd = torch.randn(h, i, dtype=dt, device="cuda") / i**0.5
-    default = gm.mlp_config
-    # (BLOCK_I, BLOCK_K, BLOCK_N, num_warps, num_stages)
-    cands = [(128, 128, 128, 8, 3), (128, 128, 256, 8, 3), (128, 128, 128, 4, 3),
-             (128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (256, 64, 128, 8, 3),
-             (128, 64, 128, 8, 4)]  # fmt: skip
-    result = {}
-    e4m3, scales = torch.float8_e4m3fn, []
-    for w in (wg, wu, wd):  # one scale per 128 x 128 block: 1/8, weights 8x larger
-        scales.append(
-            torch.full((w.shape[0] // 128, w.shape[1] // 128), 0.125, device="cuda")
-        )
-    qg, qu, qd = ((w.float() * 8).to(e4m3) for w in (wg, wu, wd))
-    for tokens in (1, 2, 4, 8, 16):
-        x = torch.randn(tokens, h, dtype=dt, device="cuda")
-        out = torch.empty(tokens, h, dtype=dt, device="cuda")
-        row = result[str(tokens)] = {}
-        for cfg in cands:
-            keys = ("BLOCK_I", "BLOCK_K", "BLOCK_N", "num_warps", "num_stages")
-            gm.mlp_config = lambda *a, cfg=cfg: dict(zip(keys, cfg))
-            gm._MLP_PLANS.clear()
-            try:
-                row[str(cfg)] = lib.bench_ms(
-                    lambda: gm.geglu_mlp_small(x, wg, wu, wd, out, gm.GELU_TANH), True
-                )
-            except triton.runtime.errors.OutOfResources as e:
-                row[str(cfg)] = repr(e)[:100]
-            print("decode_mlp", tokens, cfg, row[str(cfg)], flush=True)
-        gm.mlp_config = default
-        gm._MLP_PLANS.clear()
-        with torch.no_grad():
-            row["two_kernels"] = lib.bench_ms(
-                lambda: F.linear(ours.geglu_linear(x, wg, wu), wd), True
-            )
-            row["eager"] = lib.bench_ms(
-                lambda: F.linear(
-                    F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu), wd
-                ),
-                True,
-            )
-            row["fp8_one_kernel"] = lib.bench_ms(
-                lambda: gm.geglu_mlp_small(
-                    x, qg, qu, qd, out, gm.GELU_TANH, scales=tuple(scales)
-                ),
-                True,
-            )
-            # The op with its one-launch flag off: the three kernels (deterministic mode
-            # would also fill every new tensor with NaN, a kernel each)
-            row["fp8_three_kernels"] = lib.bench_ms(
-                lambda: ours.library.geglu_mlp_fp8(
-                    x, qg, scales[0], qu, scales[1], qd, scales[2], None, None, None,
-                    "tanh", False,
-                ),
-                True,
-            )  # fmt: skip
-        print("decode_mlp", tokens, row, flush=True)
-    return result
+SECTIONS = {"gemm": gemms, "decode": decode_mlp, "elementwise": elementwise}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, required=True)
-    sections = ("elementwise", "family_rows", "gemm", "decode_mlp")
-    parser.add_argument("--only", nargs="*", default=sections, choices=sections)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--only", nargs="*", default=list(SECTIONS), choices=SECTIONS)
+    parser.add_argument(
+        "--write", action="store_true", help="write this GPU's table into the package"
+    )
     args = parser.parse_args()
     lib.require_cuda("benchmarks/tune.py")
     ours = lib.load_ours()
-    result = {"env": lib.environment(ours)}
-    if "elementwise" in args.only:
-        result["elementwise"] = elementwise(ours.elementwise)
-    if "family_rows" in args.only:
-        result["family_rows"] = family_rows(ours.elementwise)
-    if "gemm" in args.only:
-        result["gemm"] = gemms(ours)
-    if "decode_mlp" in args.only:
-        result["decode_mlp"] = decode_mlp(ours)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    env = lib.environment(ours)
+    out = args.out or lib.results_path(env, "tune")
+    device = torch.device("cuda", torch.cuda.current_device())
+    table = ours.tuning.table(device)
+    result = {"env": env, "ceilings": lib.ceilings(), "table_in_use": table.gpu}
+    fields = {}
+    for name in args.only:
+        result[name], chosen = SECTIONS[name](ours, table)
+        fields |= chosen
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    props = torch.cuda.get_device_properties(device)
+    new = dataclasses.replace(
+        table,
+        gpu=env["device"],
+        capability=(props.major, props.minor),
+        sms=props.multi_processor_count,
+        source=(f"{'/'.join(out.parts[-3:])}: {', '.join(args.only)}",),
+        **fields,
+    )
+    result["table"] = json.loads(new.to_json())
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"Wrote {out}")
+    if args.write:
+        name = "tuning_" + env["device"].replace(" ", "_") + ".json"
+        path = lib.ROOT / "torch-ext" / "fused_geglu" / name
+        path.write_text(new.to_json())
+        print(f"Wrote {path}: run `make build` to ship it")
 
 
 if __name__ == "__main__":

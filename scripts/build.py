@@ -56,7 +56,10 @@ def hub_urls(repo_id: str, version: int) -> dict[str, str]:
 def build(out: Path, repo_id: str | None = None) -> list[Path]:
     """``repo_id`` (default: build.toml's ``[general.hub] repo-id``) names the Hub
     repository in the metadata."""
-    general = tomllib.loads((ROOT / "build.toml").read_text())["general"]
+    config = tomllib.loads((ROOT / "build.toml").read_text())
+    general = config["general"]
+    # the file types the noarch build ships (kernel-builder's pyext): sources and tables
+    pyext = config.get("torch-noarch", {}).get("pyext", ["py"])
     urls = hub_urls(repo_id or general["hub"]["repo-id"], general["version"])
     python_name = general["name"].replace("-", "_")
     src = ROOT / "torch-ext" / python_name
@@ -67,7 +70,8 @@ def build(out: Path, repo_id: str | None = None) -> list[Path]:
         if variant.exists():
             shutil.rmtree(variant)
         variant.mkdir(parents=True)
-        for file in sorted(src.glob("*.py")):
+        files = sorted(f for ext in pyext for f in src.glob(f"*.{ext}"))
+        for file in files:
             if file.name != "_ops.py":
                 shutil.copy2(file, variant / file.name)
         build_id = f"_{python_name}_{backend}_{rev}"

@@ -1,6 +1,7 @@
 """Runs the suite on the GPU when there is one, else on the CPU through the Triton
 interpreter. The interpreter must be chosen before triton is first imported."""
 
+import contextlib
 import os
 
 import torch
@@ -90,8 +91,19 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
-def _training_kernels_at_every_size(fused_geglu, monkeypatch):
+def _training_kernels_at_every_size(fused_geglu, device):
     """Tests run tiny shapes: training calls there take our kernels, as large ones do
-    (route.TRAINING_KERNEL_MIN_ELEMENTS leaves small one-op-GeLU training calls to eager's
+    (the tuning table's training_kernel_min_elements leaves small one-op-GeLU training calls to eager's
     ops; test_families.py tests that threshold with its own values)."""
-    monkeypatch.setattr(fused_geglu.route, "TRAINING_KERNEL_MIN_ELEMENTS", 0)
+    with fused_geglu.tuning.use(device, training_kernel_min_elements=0):
+        yield
+
+
+@pytest.fixture
+def table_fields(fused_geglu, device):
+    """``table_fields(**fields)``: the device's launch table with ``fields`` replaced until
+    the test ends (tuning.use)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **fields: stack.enter_context(
+            fused_geglu.tuning.use(device, **fields)
+        )

@@ -15,6 +15,7 @@ on GPUs (NCCL) everything runs in bf16. Any mismatch raises, so the rank exits n
 import copy
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 DEVICE = sys.argv[2]
@@ -309,7 +310,9 @@ def main() -> None:
         dist.init_process_group("gloo")
     # Tiny models: their training calls take our kernels as large ones do (conftest's
     # _training_kernels_at_every_size, for this process).
-    get_local_kernel(ROOT).route.TRAINING_KERNEL_MIN_ELEMENTS = 0
+    tuning = get_local_kernel(ROOT).tuning
+    every_size = replace(tuning.table(device), training_kernel_min_elements=0)
+    tuning.set_table(device, every_size)
     # Each check: (what its line says, the function); every rank prints "<line> ok".
     checks = {
         "tp": [(f"tp {f}", lambda f=f: check_tp(f, tmp, device)) for f in FAMILIES]

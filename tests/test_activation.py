@@ -75,18 +75,23 @@ def test_strided_backward(fused_geglu, device):
     assert (up_base.grad[:, 0] == 0).all()
 
 
-def test_row_tiles(fused_geglu):
+def test_row_tiles(fused_geglu, device):
     """Strided operands' tiles: a power of two at most 16 bytes x 256 lanes wide, about
     8192 elements per program, and no more than 1/8 of the last tile's lanes idle where a
     tile of 256 columns or more allows it (else the fewest idle): ModernBERT's 1152-wide
     halves take 256 columns, SD's 2560 take 512, Gemma's 16384 the widest."""
-    config = fused_geglu.elementwise.row_tile_config
+    dev = torch.device(device)
+    per_program = fused_geglu.tuning.table(dev).row_tile_elements
+
+    def config(n, elem):
+        return fused_geglu.tuning.row_tile_config(n, elem, dev)
+
     for elem in (2, 4):
         widest = 16 // elem * 256
         for n in [*range(1, 600), *range(600, 20000, 37), 1152, 2560, 13824, 16384]:
             block_m, block_n, warps = config(n, elem)
             assert block_n & (block_n - 1) == 0 and block_n <= widest, (n, elem)
-            assert block_m == max(1, 8192 // block_n) and warps == 8, (n, elem)
+            assert block_m == max(1, per_program // block_n) and warps == 8, (n, elem)
             padded = -(-n // block_n) * block_n
             if block_n >= 256 and 8 * (padded - n) > padded:
                 # no candidate from 256 columns up leaves fewer lanes idle

@@ -28,7 +28,13 @@ spec = importlib.util.spec_from_file_location(
 fg = importlib.util.module_from_spec(spec)
 sys.modules["fused_geglu"] = fg
 spec.loader.exec_module(fg)
-act, gk, gemm, ew = fg.activation, fg.gemm_kernels, fg.gemm, fg.elementwise
+act, gk, gemm, tuning = fg.activation, fg.gemm_kernels, fg.gemm, fg.tuning
+# The launch tables of a GPU with 132 SMs (the H100's and H200's), the H200's unless a
+# case names the H100's.
+dev = torch.device("cuda", 0)
+fg.launch._SM_COUNT[dev] = 132
+H200, H100 = tuning.SHIPPED["NVIDIA H200"], tuning.SHIPPED["NVIDIA H100 80GB HBM3"]
+tuning.set_table(dev, H200)
 TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = CUDABackend(TARGET)
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -86,8 +92,9 @@ def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False, b_tma=False,
                   up_first=None):  # fmt: skip
     # quant_a: an FP8 GEMM's A in bf16, quantized in the K loop; b_tma: B's descriptors;
     # up_first (with both, gated): one descriptor over both weights (STACKED)
-    swap = epi.fp8 and gemm.fp8_swap_ab(M, N, epi.gated, quant_a, 132, b_tma)  # H200 SMs
-    cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, False, False, epi.fp8, swap, b_tma)
+    swap = epi.fp8 and tuning.fp8_swap_ab(M, N, epi.gated, quant_a, dev, b_tma)
+    cfg = (tuning.fp8_config(M, epi.gated, False, swap, b_tma) if epi.fp8
+           else tuning.gemm_config(M, N, dtype, dev, epi.gated, False, False))
     names = [p.name for p in gk.gemm_kernel.params if not p.is_constexpr]
     c_dtype = fp8 if epi.quant_out else bf16 if epi.fp8 else dtype
     args = {n: None for n in names}
@@ -138,7 +145,8 @@ def portable_gemm(M, N, K, dtype, epi, split=1, quant_a=False, b_tma=False,
 
 def tma_gemm(M, N, K, dtype, epi, a_t=False, b_t=False):
     extra = epi.dact != gemm.NO_ACT or epi.accumulate or (epi.store_preact and not epi.gated)
-    cfg = gemm.gemm_config(M, N, K, dtype, epi.gated, True, extra, epi.fp8)
+    cfg = (tuning.fp8_config(M, epi.gated, True, False, False) if epi.fp8
+           else tuning.gemm_config(M, N, dtype, dev, epi.gated, True, extra))
     c_dtype = fp8 if epi.quant_out else bf16 if epi.fp8 else dtype
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     a_block = [bk, bm] if a_t else [bm, bk]
@@ -172,12 +180,9 @@ def tma_gemm(M, N, K, dtype, epi, a_t=False, b_t=False):
     return gk.gemm_tma_kernel, args, consts, options
 
 
-def decode_mlp(H, I, N, dtype, bias, fp8_weights=False):
-    cfg = gemm.mlp_config(H, I, dtype, "cuda", fp8_weights) if fp8_weights else {
-        "BLOCK_I": 128, "BLOCK_K": 128 if dtype != fp32 else 64,
-        "BLOCK_N": 256 if dtype != fp32 else 128,
-        "BLOCK_FINAL": 1024,
-        "num_warps": 8, "num_stages": 3}
+def decode_mlp(H, I, N, dtype, bias, fp8_weights=False, table=H200):
+    with tuning.use(dev, table):
+        cfg = tuning.mlp_config(I, dtype, dev, fp8_weights)
     names = [p.name for p in gk.geglu_mlp_kernel.params if not p.is_constexpr]
     args = {n: t(64, dtype=dtype) for n in names if n.endswith("_ptr")}
     args |= {"sums_ptr": t(64, dtype=fp32), "arrivals_ptr": t(1, dtype=torch.int32)}
@@ -194,22 +199,22 @@ def decode_mlp(H, I, N, dtype, bias, fp8_weights=False):
              "I": I, "N": N}
     consts = {"HAS_BIAS": bias, "HAS_DOWN_BIAS": bias, "ACTIVATION": gemm.GELU_TANH,
               "FP8": fp8_weights,
-              "EVEN_K": H % cfg["BLOCK_K"] == 0, "BLOCK_M": gemm.MLP_MAX_TOKENS,
+              "EVEN_K": H % cfg["BLOCK_K"] == 0, "BLOCK_M": tuning.MLP_MAX_TOKENS,
               "INPUT_PRECISION": gemm._input_precision(dtype), **cfg}
     options = {k: consts.pop(k) for k in ("num_warps", "num_stages")}
     return gk.geglu_mlp_kernel, args, consts, options
 
 
 E = gemm.Epilogue
-flat_fwd = (1, *ew.FLAT_TILES[act.geglu_fwd_kernel])
-flat_bwd = (1, *ew.FLAT_TILES[act.geglu_bwd_kernel])
+flat_fwd = (1, *tuning.flat_tile(dev, backward=False))
+flat_bwd = (1, *tuning.flat_tile(dev, backward=True))
 CASES = {
     "geglu forward, tanh, bf16, flat": elementwise(act.geglu_fwd_kernel, bf16, True, flat_fwd, False),
     "geglu forward, exact, fp32, rows, int64": elementwise(
-        act.geglu_fwd_kernel, fp32, False, ew.row_tile_config(13824, 4), True),
+        act.geglu_fwd_kernel, fp32, False, tuning.row_tile_config(13824, 4, dev), True),
     "geglu backward, tanh, bf16, flat": elementwise(act.geglu_bwd_kernel, bf16, True, flat_bwd, False),
     "geglu backward, exact, fp16, rows": elementwise(
-        act.geglu_bwd_kernel, fp16, False, ew.row_tile_config(512, 2), False),
+        act.geglu_bwd_kernel, fp16, False, tuning.row_tile_config(512, 2, dev), False),
     "gemm decode, gated tanh, split 4": portable_gemm(
         1, 16384, 2048, bf16, E(activation=gemm.GELU_TANH, gated=True), split=4),
     "gemm 32 rows, exact + bias + preact, uneven K": portable_gemm(
@@ -226,6 +231,7 @@ CASES = {
     "tma gemm, accumulate, B transposed": tma_gemm(
         8192, 2048, 16384, fp16, E(accumulate=True), b_t=True),
     "decode MLP, bf16, even K": decode_mlp(2048, 16384, 2048, bf16, False),
+    "decode MLP, bf16, the H100's tiles": decode_mlp(2048, 16384, 2048, bf16, False, table=H100),
     "decode MLP, fp16, uneven K, biases": decode_mlp(1000, 3000, 1000, fp16, True),
     "fp8 quantize": (gk.quantize_fp8_kernel, {"x_ptr": t(64), "up_ptr": None,
         "q_ptr": t(64, dtype=fp8), "s_ptr": t(64, dtype=fp32), "M": 4096, "K": 2048,
@@ -296,6 +302,6 @@ def test_every_kernel_compiles_for_hopper():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 27
+    assert len(results) == 28
     failed = {name: error for name, error in results.items() if error is not None}
     assert not failed, json.dumps(failed, indent=1)

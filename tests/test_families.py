@@ -332,7 +332,7 @@ FORMULA_GELU = {"t5"}
 def test_small_training_calls_run_eager_ops(
     fused_geglu, monkeypatch, device, family, projection
 ):
-    """route.TRAINING_KERNEL_MIN_ELEMENTS: a training call with fewer activation outputs
+    """training_kernel_min_elements (the tuning table's): a training call with fewer activation outputs
     runs eager's ops where the module's GeLU is one F.gelu (ModernBERT's, diffusers'),
     and our activation from that many on; with T5's gelu_new (several ops) ours at every
     size. Plain projections (the module's own forward) and wrapped ones (eager's
@@ -351,27 +351,26 @@ def test_small_training_calls_run_eager_ops(
         lambda *args: projected.append(1) or real(*args),
     )
     for threshold, small in ((outputs + 1, True), (outputs, False)):
-        monkeypatch.setattr(
-            fused_geglu.route, "TRAINING_KERNEL_MIN_ELEMENTS", threshold
-        )
-        ours = kernelized(copy.deepcopy(eager), device, Mode.TRAINING)  # a new route
-        projected.clear()
-        with _OpNames() as ops:
-            got = ours(x)
-            got.square().sum().backward()
-        runs_ours = not small or family in FORMULA_GELU
-        assert bool(projected) == (runs_ours or projection == "wrapped")
-        expected = eager(x)
-        expected.square().sum().backward()
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        for (n, p), q in zip(eager.named_parameters(), ours.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-4, msg=n)
-            p.grad = None
-        assert (ACTIVATION_OP[family] in ops.names) == runs_ours, sorted(ops.names)
-        x.grad = None
-        with torch.no_grad(), _OpNames() as ops:  # inference: ours at every size
-            ours(x)
-        assert ops.names, "inference ran none of our ops"
+        table = {"training_kernel_min_elements": threshold}
+        with fused_geglu.tuning.use(device, **table):
+            ours = kernelized(copy.deepcopy(eager), device, Mode.TRAINING)  # new route
+            projected.clear()
+            with _OpNames() as ops:
+                got = ours(x)
+                got.square().sum().backward()
+            runs_ours = not small or family in FORMULA_GELU
+            assert bool(projected) == (runs_ours or projection == "wrapped")
+            expected = eager(x)
+            expected.square().sum().backward()
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            for (n, p), q in zip(eager.named_parameters(), ours.parameters()):
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-4, msg=n)
+                p.grad = None
+            assert (ACTIVATION_OP[family] in ops.names) == runs_ours, sorted(ops.names)
+            x.grad = None
+            with torch.no_grad(), _OpNames() as ops:  # inference: ours at every size
+                ours(x)
+            assert ops.names, "inference ran none of our ops"
 
 
 def test_autocast_keeps_eager_casts(device):

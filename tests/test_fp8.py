@@ -74,7 +74,7 @@ def check_mlp(out, x, weights, scales, biases, approximate, fused_geglu, what=""
         act = f.gemm.gelu_code(approximate)
         # h as the paths under test form it: x quantized in the dual GEMM up to
         # FP8_QUANT_A_ROWS rows (the one launch's products are those), apart beyond
-        a, a_s = (x, None) if m <= f.gemm.FP8_QUANT_A_ROWS else (x_q, x_s)
+        a, a_s = (x, None) if m <= f.tuning.FP8_QUANT_A_ROWS else (x_q, x_s)
         f.gemm.gemm_gated_fp8(
             a, a_s, wg, sg, wu, su, h_q, h_s, act, x.dtype, bias_gate=bg, bias_up=bu
         )
@@ -228,8 +228,9 @@ def test_dual_gemm_quantizes_a_16_bit_x_as_quantize_fp8(
         assert ((v1 - v2).abs() <= step * (1 + 2**-7) + 2 * mma.float()).all()
     else:
         assert torch.equal(s1, s2) and torch.equal(h1, h2)
-    wide = torch.randn(f.FP8_QUANT_A_ROWS + 1, hidden, dtype=x.dtype, device=device)
-    with pytest.raises(ValueError, match=f"at most {f.FP8_QUANT_A_ROWS} rows"):
+    most = fused_geglu.tuning.FP8_QUANT_A_ROWS
+    wide = torch.randn(most + 1, hidden, dtype=x.dtype, device=device)
+    with pytest.raises(ValueError, match=f"at most {most} rows"):
         f.gemm_gated_fp8(wide, None, wg, sg, wu, su, h, h_s, f.GELU_TANH, x.dtype)
     # A and its scales must agree: e4m3 with them, 16-bit without (the dual GEMM only)
     for a, a_scale in ((x, x_s), (x_q, None)):
@@ -267,17 +268,16 @@ def test_geglu_mlp_fp8(fused_geglu, device, monkeypatch, tokens, shape, dtype, b
         approximate=approximate,
     )  # fmt: skip
     tma = tokens > 64 and h % 16 == 0 and i % 16 == 0  # TMA: rows of 16-byte multiples
-    quantized_apart = tokens > fused_geglu.gemm.FP8_QUANT_A_ROWS
+    quantized_apart = tokens > fused_geglu.tuning.FP8_QUANT_A_ROWS
     kernels = ["quantize_fp8_kernel"] * quantized_apart
     kernels.append("gemm_tma_kernel" if tma else "gemm_kernel")
     # the down GEMM: swapped products (the portable kernel) up to 64 tokens, and up to
-    # FP8_SWAP_ROWS where the TMA kernel's tiles are fewer than the programs (one per SM;
+    # the table's fp8_swap_rows where the TMA kernel's tiles are fewer than the programs (one per SM;
     # 4 in the interpreter: 130 tokens take the TMA kernel there); none of these shapes
     # reaches cuBLAS (its K, 320 or 384, is not a multiple of 512)
-    programs = fused_geglu.launch.num_programs(torch.device(device))
-    swapped = fused_geglu.gemm.fp8_swap_ab(tokens, n, False, False, programs)
+    swapped = fused_geglu.tuning.fp8_swap_ab(tokens, n, False, False, x.device)
     kernels.append("gemm_tma_kernel" if tma and not swapped else "gemm_kernel")
-    one_launch = tokens <= fused_geglu.gemm.MLP_MAX_TOKENS
+    one_launch = tokens <= fused_geglu.tuning.MLP_MAX_TOKENS
     assert launched == (["geglu_mlp_kernel"] if one_launch else kernels)
     check_mlp(out, x, weights, scales, biases, approximate, fused_geglu)  # fmt: skip
     if one_launch:
@@ -320,7 +320,9 @@ def _cublas_stand_in(fused_geglu, monkeypatch, calls):
 
 @pytest.mark.parametrize("past", [1, 2], ids=["unpadded", "3-padding-rows"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_down_gemm_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
+def test_down_gemm_by_cublas(
+    fused_geglu, device, monkeypatch, table_fields, past, dtype
+):
     """From FP8_CUBLAS_MIN_ROWS tokens the down GEMM is cuBLAS's block-scaled GEMM where it
     applies (on the H200; on the CPU a stand-in, from 128 rows): h's rows padded to a
     multiple of 4 (3 padding rows, whose products are discarded), h's scales written with
@@ -335,8 +337,8 @@ def test_down_gemm_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
             "cuBLAS's block-scaled FP8 GEMM is measured and taken on Hopper only"
         )
     if not HAS_GPU:  # the interpreter's dual GEMM at 2048 rows would take minutes
-        monkeypatch.setattr(fused_geglu.gemm, "FP8_CUBLAS_MIN_ROWS", 128)
-    tokens = fused_geglu.gemm.FP8_CUBLAS_MIN_ROWS - 1 + past
+        table_fields(fp8_cublas_min_rows=128)
+    tokens = fused_geglu.tuning.table(weights[2].device).fp8_cublas_min_rows - 1 + past
     assert fused_geglu.gemm.fp8_cublas_applies(
         tokens, weights[2], scales[2], None, dtype
     )
@@ -362,7 +364,7 @@ def test_down_gemm_by_cublas(fused_geglu, device, monkeypatch, past, dtype):
         assert len(kernels) == 3, kernels
 
 
-def _cublas_case(fused_geglu, device, monkeypatch, dtype, bias: bool):
+def _cublas_case(fused_geglu, device, monkeypatch, table_fields, dtype, bias: bool):
     """(tokens, weights, scales, biases, cuBLAS calls) for the all-cuBLAS route's tests:
     K = 512 for all three products (cuBLAS's weight scales want 4 blocks); on the CPU the
     stand-in from 128 rows; ``bias``: the gate's and the up's."""
@@ -375,8 +377,9 @@ def _cublas_case(fused_geglu, device, monkeypatch, dtype, bias: bool):
             "cuBLAS's block-scaled FP8 GEMM is measured and taken on Hopper only"
         )
     if not HAS_GPU:
-        monkeypatch.setattr(fused_geglu.gemm, "FP8_CUBLAS_MIN_ROWS", 128)
-    return fused_geglu.gemm.FP8_CUBLAS_MIN_ROWS, weights, scales, biases, calls
+        table_fields(fp8_cublas_min_rows=128)
+    rows = fused_geglu.tuning.table(weights[2].device).fp8_cublas_min_rows
+    return rows, weights, scales, biases, calls
 
 
 @pytest.mark.parametrize(
@@ -386,7 +389,7 @@ def _cublas_case(fused_geglu, device, monkeypatch, dtype, bias: bool):
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_mlp_by_cublas(
-    fused_geglu, device, monkeypatch, past, approximate, rank, dtype
+    fused_geglu, device, monkeypatch, table_fields, past, approximate, rank, dtype
 ):
     """From FP8_CUBLAS_MIN_ROWS tokens, where cuBLAS's block-scaled GEMM applies to all
     three projections (on the H200; on the CPU a stand-in, from 128 rows), it computes
@@ -394,7 +397,7 @@ def test_mlp_by_cublas(
     h = round(act(gate)) * up quantized in one kernel; within the rule of float64; our two
     kernels and cuBLAS's three (torch's and cuBLAS's memsets and copies aside)."""
     min_rows, weights, scales, biases, calls = _cublas_case(
-        fused_geglu, device, monkeypatch, dtype, False
+        fused_geglu, device, monkeypatch, table_fields, dtype, False
     )
     tokens = min_rows - 1 + past
     x = torch.randn(tokens, 512, dtype=dtype, device=device)
@@ -439,12 +442,12 @@ def test_mlp_by_cublas(
 
 
 def test_mlp_by_cublas_down_only_with_gate_and_up_biases(
-    fused_geglu, device, monkeypatch
+    fused_geglu, device, monkeypatch, table_fields
 ):
     """Biases on gate and up keep them in the dual GEMM (which adds them before rounding;
     cuBLAS's route takes none); the down product is still cuBLAS's."""
     min_rows, weights, scales, biases, calls = _cublas_case(
-        fused_geglu, device, monkeypatch, torch.bfloat16, True
+        fused_geglu, device, monkeypatch, table_fields, torch.bfloat16, True
     )
     x = torch.randn(min_rows, 512, dtype=torch.bfloat16, device=device)
     launched = spy_launches(fused_geglu, monkeypatch)
@@ -501,7 +504,7 @@ def test_fp8_cublas_applies(fused_geglu, device, monkeypatch):
     monkeypatch.setattr(gemm, "has_cublas_fp8_blocks", lambda device: True)
     w = torch.zeros(256, 1024, dtype=FP8, device=device)
     s = torch.ones(2, 8, device=device)
-    rows = gemm.FP8_CUBLAS_MIN_ROWS
+    rows = fused_geglu.tuning.table(w.device).fp8_cublas_min_rows
     applies = lambda m=rows, w=w, s=s, bias=None, dtype=torch.bfloat16: (
         gemm.fp8_cublas_applies(m, w, s, bias, dtype)
     )
@@ -693,7 +696,7 @@ def test_layer_runs_fp8_projections(fused_geglu, device, monkeypatch, tokens):
     launched = spy_launches(fused_geglu, monkeypatch)
     with torch.no_grad():
         out = layer.forward(mlp, x)
-    one_launch = tokens <= fused_geglu.gemm.MLP_MAX_TOKENS
+    one_launch = tokens <= fused_geglu.tuning.MLP_MAX_TOKENS
     assert launched[0] == ("geglu_mlp_kernel" if one_launch else "quantize_fp8_kernel")
     check_mlp(out, x, weights, scales, [None] * 3, "tanh", fused_geglu)  # fmt: skip
 
@@ -829,7 +832,7 @@ def test_one_launch_fp8_limits(fused_geglu, device):
     rule of float64 (launches of 2 to 16 rows in turn; on the H200 rows past the first
     read zeros before the fix of benchmarks/NOTES.md), and refuses more rather than
     compute them."""
-    most = fused_geglu.gemm.MLP_MAX_TOKENS
+    most = fused_geglu.tuning.MLP_MAX_TOKENS
     weights, scales, biases = fp8_params(256, 384, 256, device, True)
     for rows in range(2, most + 1) if HAS_GPU else (2, most):
         x = torch.randn(rows, 256, dtype=torch.bfloat16, device=device)
@@ -981,7 +984,7 @@ def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, l
         x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
         outputs = []
         for stacked in (True, False):
-            stacks = stacked and tokens <= gemm.FP8_QUANT_A_ROWS
+            stacks = stacked and tokens <= fused_geglu.tuning.FP8_QUANT_A_ROWS
             monkeypatch.setattr(
                 gemm,
                 "_stacked_weights",
@@ -1004,7 +1007,7 @@ def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, l
             check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu,
                       f"{layout}, {tokens} tokens, stacked {stacks}")  # fmt: skip
             outputs.append(out)
-            if tokens <= gemm.FP8_QUANT_A_ROWS:
+            if tokens <= fused_geglu.tuning.FP8_QUANT_A_ROWS:
                 # each 128-column block of h is scaled by its own columns' largest
                 # value (448 in e4m3), not by a box's rows past the weight's end
                 h = torch.empty(tokens, 320, dtype=FP8, device=device)
@@ -1083,7 +1086,7 @@ def test_fp8_mlp_in_cuda_graph(fused_geglu, device, monkeypatch):
     GEMM's in e4m3: not equal)."""
     weights, scales, biases = fp8_params(256, 1024, 256, device, True)
     launched = spy_launches(fused_geglu, monkeypatch)
-    for tokens in (1, fused_geglu.gemm.MLP_MAX_TOKENS):
+    for tokens in (1, fused_geglu.tuning.MLP_MAX_TOKENS):
         x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
         args = (x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2])
         with torch.no_grad():

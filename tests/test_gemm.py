@@ -296,11 +296,13 @@ SPLIT_SHAPES = [(1, 64, 1000), (5, 40, 1200), (16, 100, 2047)]
 SPLIT_SHAPES_GPU = [(1, 2048, 16384), (16, 2048, 16384), (7, 300, 5000)]
 
 
-def split_k_of(gemm, a, n, dual):
-    m, k = a.shape
-    cfg = gemm.gemm_config(m, n, k, a.dtype, dual, False, False)
-    tiles = gemm.cdiv(m, cfg.block_m) * gemm.cdiv(n, cfg.block_n)
-    return gemm.split_k(tiles, gemm.cdiv(k, cfg.block_k), gemm.num_programs(a.device))
+def split_k_of(fused_geglu, a, n, dual):
+    tuning, m, k = fused_geglu.tuning, *a.shape
+    cfg = tuning.gemm_config(m, n, a.dtype, a.device, dual, False, False)
+    tiles = tuning.cdiv(m, cfg.block_m) * tuning.cdiv(n, cfg.block_n)
+    return tuning.split_k(
+        tiles, tuning.cdiv(k, cfg.block_k), tuning.num_programs(a.device)
+    )
 
 
 @pytest.mark.parametrize(
@@ -318,7 +320,7 @@ def test_split_k(fused_geglu, device, mnk, dtype, variant):
     a = torch.randn(m, k, dtype=dtype, device=device)
     b1, b2 = (torch.randn(n, k, dtype=dtype, device=device) / k**0.5 for _ in range(2))
     bias1, bias2 = (torch.randn(n, dtype=dtype, device=device) for _ in range(2))
-    assert split_k_of(gemm, a, n, dual) > 1
+    assert split_k_of(fused_geglu, a, n, dual) > 1
     c0 = torch.randn(m, n, dtype=dtype, device=device)
     pre = None
     if variant == "bias_gelu":
@@ -371,7 +373,7 @@ def test_split_k_cuda_graph_and_streams(fused_geglu, device):
     m, n, k, dtype = 1, 2048, 16384, torch.bfloat16
     w = torch.randn(n, k, dtype=dtype, device=device) / k**0.5
     a = torch.randn(m, k, dtype=dtype, device=device)
-    assert split_k_of(gemm, a, n, False) > 1
+    assert split_k_of(fused_geglu, a, n, False) > 1
     c = poisoned((m, n), dtype, device)
     gemm.gemm(a, w, c)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -184,3 +184,16 @@ def test_other_compile_errors_keep_the_toolkit_libdevice(
     assert toolkit_libdevice.TOOLKIT_LIBDEVICE is not None
     assert "extern_libs" in toolkit_libdevice.COMPILE_OPTIONS
     assert "extern_libs" in launcher.constexprs
+
+
+@pytest.mark.gpu
+def test_direct_launch_works_with_this_triton(fused_geglu, device):
+    """This Triton's compiled-kernel launcher takes the direct launch's arguments (Triton
+    3.6 to 3.9 keep its signature): the second call launches directly, equal to the
+    first."""
+    gate, up = (torch.randn(64, 256, device=device) for _ in range(2))
+    first = fused_geglu.geglu(gate, up)
+    second = fused_geglu.geglu(gate, up)
+    launch = fused_geglu.launch
+    assert launch.direct_launch_works, launch.direct_launch_error
+    assert torch.equal(first, second)

@@ -149,7 +149,9 @@ def test_ids_unique_per_backend(built):
 @pytest.mark.parametrize("backend", GENERAL["backends"])
 def test_variant_is_sources_plus_ops(built, backend):
     variant = built / f"torch-{backend}"
-    sources = [s for s in SOURCES.glob("*.py") if s.name != "_ops.py"]
+    pyext = tomllib.loads((ROOT / "build.toml").read_text())["torch-noarch"]["pyext"]
+    sources = [s for e in pyext for s in SOURCES.glob(f"*.{e}") if s.name != "_ops.py"]
+    assert any(s.suffix == ".json" for s in sources), "the tuning tables ship"
     assert {p.name for p in variant.iterdir()} == {s.name for s in sources} | {
         "_ops.py",
         "metadata.json",

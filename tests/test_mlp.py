@@ -161,7 +161,7 @@ def test_layer_down_projection_route(fused_geglu, device, monkeypatch, tokens):
 
 @pytest.mark.parametrize("call", ["layer", "geglu_mlp"])
 def test_small_training_calls_run_eager_ops(fused_geglu, device, monkeypatch, call):
-    """route.TRAINING_KERNEL_MIN_ELEMENTS: below that many activation outputs (tokens x
+    """training_kernel_min_elements (the tuning table's): below that many activation outputs (tokens x
     intermediate) a training call of Gemma's MLP (one F.gelu) or of ``geglu_mlp`` runs
     eager's ops, from that many our activation; the results and gradients are eager's."""
     from transformers import GemmaConfig
@@ -182,17 +182,18 @@ def test_small_training_calls_run_eager_ops(fused_geglu, device, monkeypatch, ca
     expected = mlp(x)
     expected_grads = torch.autograd.grad(expected.square().sum(), inputs)
     for threshold, small in ((tokens * inter + 1, True), (tokens * inter, False)):
-        monkeypatch.setattr(
-            fused_geglu.route, "TRAINING_KERNEL_MIN_ELEMENTS", threshold
-        )
-        fused_geglu.route._ROUTES.pop(id(mlp), None)  # a route made at this threshold
-        launched = spy_launches(fused_geglu, monkeypatch)
-        got = ours()
-        grads = torch.autograd.grad(got.square().sum(), inputs)
-        assert bool(launched) != small, launched
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        for g, e in zip(grads, expected_grads):
-            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+        table = {"training_kernel_min_elements": threshold}
+        with fused_geglu.tuning.use(device, **table):
+            fused_geglu.route._ROUTES.pop(
+                id(mlp), None
+            )  # a route made at this threshold
+            launched = spy_launches(fused_geglu, monkeypatch)
+            got = ours()
+            grads = torch.autograd.grad(got.square().sum(), inputs)
+            assert bool(launched) != small, launched
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            for g, e in zip(grads, expected_grads):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
 # --- The whole MLP in one launch (inference, at most MLP_MAX_TOKENS tokens) -------------

@@ -1,6 +1,6 @@
 """Host side of the elementwise GeGLU kernels: tile configurations and launches.
 
-Contiguous operands are processed as one long row (``FLAT_TILES``-element tiles); strided
+Contiguous operands are processed as one long row (tuning.flat_tile's tiles); strided
 ones (e.g. the halves of one ``[M, 2N]`` projection output) as row tiles through their
 strides. A launch plan is cached per (direction, variant, dtype, shapes, strides).
 """
@@ -8,37 +8,8 @@ strides. A launch plan is cached per (direction, variant, dtype, shapes, strides
 import torch
 
 from .activation import geglu_bwd_kernel, geglu_fwd_kernel
-from .launch import INTERPRETED, BoundedCache, Launcher, cdiv
-
-# Contiguous operands: (elements per program, warps) per kernel, at copy rate on the H200
-# (benchmarks/NOTES.md): the forward's two streams in 2048-element tiles (two 16-byte
-# vectors per thread in 16-bit dtypes; 1024 ran 2% slower), the backward's five in 1024
-# (one vector). The interpreter pays per program, not per element: larger tiles there.
-FLAT_TILES = {
-    geglu_fwd_kernel: (16384, 4) if INTERPRETED else (2048, 4),
-    geglu_bwd_kernel: (16384, 4) if INTERPRETED else (1024, 4),
-}
-
-
-def row_tile_config(n_cols: int, elem_bytes: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for strided [M, N] operands.
-
-    A row tile spans up to 16 bytes x 32 lanes x 8 warps (2048 bf16 / 1024 fp32 columns),
-    so every load is a 16-byte vector; rows are stacked until a program streams ~8192
-    elements (the sweep behind it: benchmarks/NOTES.md). Where the columns leave more
-    than 1/8 of the last tile's lanes idle (ModernBERT's 1152: 44% at 2048), narrower
-    tiles, down to 256 columns, with the fewest idle lanes (1152: five of 256).
-    """
-    vec = 16 // elem_bytes
-    n = max(n_cols, 1)
-    widest = min(1 << (n - 1).bit_length(), vec * 32 * 8)
-    candidates = [widest >> i for i in range(4) if widest >> i >= min(256, widest)]
-    idle = {b: cdiv(n, b) * b - n for b in candidates}
-    block_n = next(
-        (b for b in candidates if idle[b] * 8 <= cdiv(n, b) * b),
-        min(candidates, key=lambda b: (idle[b], -b)),
-    )
-    return max(1, 8192 // block_n), block_n, 8
+from .launch import BoundedCache, Launcher, cdiv
+from .tuning import flat_tile, row_tile_config
 
 
 def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -84,11 +55,14 @@ def _plan(kernel, approx_tanh: bool, rows: tuple[torch.Tensor, ...], flat: bool)
         return plan
     if flat:
         M, N = 1, first.numel()
-        block_m, (block_n, num_warps) = 1, FLAT_TILES[kernel]
+        block_m = 1
+        block_n, num_warps = flat_tile(first.device, kernel is geglu_bwd_kernel)
         strides = [(0, 1)] * len(rows)
     else:
         M, N = first.shape
-        block_m, block_n, num_warps = row_tile_config(N, first.element_size())
+        block_m, block_n, num_warps = row_tile_config(
+            N, first.element_size(), first.device
+        )
         strides = [t.stride() for t in rows]
     grid_m, grid_n = cdiv(M, block_m), cdiv(N, block_n)
     # Largest offset a program can form (masked lanes included) against int32's range.

@@ -24,7 +24,7 @@ FP8 (e4m3 weights with 128 x 128 block scales, transformers' FineGrainedFP8):
                                          FP8 MLP's operands (checked once per call upstream)
 
 ``act`` is an activation code: GELU (exact) or GELU_TANH. Rounding points are eager's
-(gemm_kernels.py). Configurations are chosen in ``gemm_config`` from the shape class; a
+(gemm_kernels.py). Configurations come from tuning.py (per GPU and shape class); a
 plan (configuration, grid, split, launcher) is cached per exact call signature in a
 bounded BoundedCache, so a repeated call costs a dict lookup and the launch.
 """
@@ -60,6 +60,17 @@ from .launch import (
     has_tma,
     num_programs,
 )
+from .tuning import (
+    FP8_QUANT_A_ROWS,
+    MLP_MAX_TOKENS,
+    GemmConfig,
+    fp8_config,
+    fp8_swap_ab,
+    gemm_config,
+    mlp_config,
+    split_k,
+    table,
+)
 
 NO_ACT, GELU, GELU_TANH = 0, 1, 2
 
@@ -67,162 +78,6 @@ NO_ACT, GELU, GELU_TANH = 0, 1, 2
 def gelu_code(approximate: str) -> int:
     """The activation code of ``F.gelu(approximate=approximate)``."""
     return GELU_TANH if approximate == "tanh" else GELU
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-
-    def constexprs(self) -> dict:
-        return {
-            "BLOCK_M": self.block_m,
-            "BLOCK_N": self.block_n,
-            "BLOCK_K": self.block_k,
-            "GROUP_M": self.group_m,
-            "num_warps": self.num_warps,
-            "num_stages": self.num_stages,
-        }
-
-
-def gemm_config(
-    M: int,
-    N: int,
-    K: int,
-    dtype: torch.dtype,
-    gated: bool,
-    tma: bool,
-    extra_tiles: bool,
-    fp8: bool = False,
-    swap: bool = False,
-    b_tma: bool = False,
-) -> GemmConfig:
-    """Launch configuration by shape class (the one place it is chosen), from the H200 sweep
-    in benchmarks/results/*-tune.json (Gemma-2B shapes, bf16).
-
-    Interpreter: moderate tiles (numpy does the work; fewer programs run faster).
-    M <= 64 (decode): weight streaming; one row tile holds every token so each weight
-    tile is read once; narrow outputs (fewer tiles than SMs) split K (``split_k``).
-    TMA (Hopper/Blackwell, 16-bit, M > 64): 128x256x64 tiles, 8 warps, 3 stages (4
-    overflow shared memory), GROUP_M 16 where N >= 4096 (16 or more 256-wide column
-    tiles; 8 below: 8192 x 2048 x 16384 ran faster with 8); gated: a 128x(2x128)
-    accumulator, GROUP_M 16. ``extra_tiles`` (the
-    backward's DACT prologue reads Z, ACCUMULATE reads C, a single GEMM stores its
-    pre-activation): 128x128 tiles, chosen to fit 3 stages in 227 KB, not swept.
-    Portable: 128x128x64 tiles, 4 stages (single) / two 128x128 accumulators, 3 stages
-    (gated). fp32 operands halve BLOCK_K to fit shared memory.
-    FP8: ``fp8_config`` (``swap``: fp8_swap_ab's decision; ``b_tma``: the portable
-    kernel's B through TMA).
-    """
-    if fp8:
-        return fp8_config(M, gated, tma, swap, b_tma)
-    if INTERPRETED:
-        return GemmConfig(32, 64, 32, 4, 4, 1)
-    wide = dtype != torch.float32
-    stages = 4 if wide else 3
-    if M <= 16:
-        block_n, block_k, warps = (128, 128, 8) if gated else (64, 128, 4)
-        return GemmConfig(
-            16, block_n, block_k if wide else block_k // 2, 1, warps, stages
-        )
-    if M <= 64:  # one row tile covers all tokens: each weight tile is read once
-        block_n = 32 if gated and N <= 4096 else 64
-        return GemmConfig(
-            32 if M <= 32 else 64, block_n, 128 if wide else 64, 1, 4, stages
-        )
-    if tma and extra_tiles:  # a Z tile per stage or a C tile to add: 128x128 fits
-        return GemmConfig(128, 128, 64, 8, 4, 3)
-    if tma:  # 16-bit operands only
-        group_m = 16 if gated or N >= 4096 else 8
-        return GemmConfig(128, 128 if gated else 256, 64, group_m, 8, 3)
-    return GemmConfig(
-        128, 128, 64 if wide else 32, 8, 8 if gated else 4, 3 if gated else 4
-    )
-
-
-def fp8_config(
-    M: int, gated: bool, tma: bool, swap: bool, b_tma: bool = False
-) -> GemmConfig:
-    """FP8 GEMMs: BLOCK_K is the scale block (128); a gated GEMM's BLOCK_N too (it
-    quantizes h per 128 columns), and a single one's divides it. On the H200 the TMA
-    tiles hardly mattered at 8192 tokens (2.40-2.45 ms for the MLP over the sweep in
-    benchmarks/results/exploration/*-fp8-tune.json); 64-row tiles were slower. Decode
-    (up to 64 rows): tokens in tiles of 16 up to 16 rows and of 32 beyond (swapped
-    products), a weight tile's token tiles adjacent programs (they share it through L2);
-    unswapped, one 64-row tile from 17 rows; the gated GEMM with 8 warps, 4 stages at 16
-    and 64 rows (the best of 4/8 warps and 3/4/6 stages,
-    exploration/2026-12-02T03-*-fp8-decode-*.json) and 3 at 32 (two programs per SM;
-    _Plan.stacked_launcher's one more); the single one with 8 warps up to 16 rows, 4
-    beyond, 4 stages with its weight through TMA
-    (``b_tma``, the best of 4/6/8: exploration/2026-12-03T06-*-fp8-decode-tma-sweep.json)
-    and 3 without (exploration/2026-12-02T13-*-fp8-down-graph-sweep.json). The 32-row
-    tiles against 64 at 17-64 tokens: exploration/2026-12-03T08-*-fp8-decode-rows.json.
-    The swapped single GEMM past 64 rows (``swap``, up to FP8_SWAP_ROWS): tokens in tiles
-    of 64 up to 128 rows, 128 beyond (exploration/2026-12-02T04-*-fp8-down-sweep.json)."""
-    block_n = FP8_BLOCK if gated else 64
-    if INTERPRETED:
-        return GemmConfig(32, block_n, FP8_BLOCK, 4, 4, 1)
-    if M <= 64:
-        # unswapped (a gated GEMM over weights TMA cannot describe, x quantized apart):
-        # Hopper's e4m3 MMA takes 64 rows
-        rows = 16 if M <= 16 else 32 if swap else 64
-        if gated:
-            warps, stages = 8, 3 if rows == 32 else 4
-        else:
-            warps, stages = (8, 4) if rows == 16 else (4, 4 if b_tma else 3)
-        return GemmConfig(rows, block_n, FP8_BLOCK, cdiv(M, rows), warps, stages)
-    if swap:
-        rows = 64 if M <= 128 else 128  # tokens per tile
-        return GemmConfig(rows, block_n, FP8_BLOCK, 1, 4, 4)
-    if tma:
-        return GemmConfig(128, FP8_BLOCK, FP8_BLOCK, 8 if gated else 16, 8, 4)
-    return GemmConfig(64, FP8_BLOCK, FP8_BLOCK, 8, 4, 3)
-
-
-# The most rows of a single (down) FP8 GEMM with swapped products, split-K, where the TMA
-# kernel's 128 x 128 tiles would leave SMs idle: on the H200 with Gemma-2B's 2048 outputs
-# (16 column tiles) the TMA kernel took 77-87 us from 72 to 512 rows, swapped 25 up to 128
-# rows, 44 at 256 and 68 at 512; at 768 rows the TMA kernel's 89 against 93
-# (benchmarks/NOTES.md).
-FP8_SWAP_ROWS = 512
-
-
-def fp8_swap_ab(
-    M: int, N: int, gated: bool, quant_a: bool, programs: int, b_tma: bool = False
-) -> bool:
-    """Whether an FP8 GEMM runs SWAP_AB on the portable kernel (the weight tile as the MMA's
-    rows, on Hopper's e4m3 MMA whatever the tokens): the single (down) GEMM up to 64 rows,
-    and up to FP8_SWAP_ROWS where the TMA kernel would have fewer tiles than ``programs``
-    (one per SM); the gated one where it quantizes its A itself (QUANT_A, at most
-    FP8_QUANT_A_ROWS rows) or reads its weights through TMA (``b_tma``: up to 64 rows).
-    The H200 sweeps' best (benchmarks/NOTES.md)."""
-    if quant_a or (M <= 64 and (b_tma or not gated)):
-        return True
-    tma_tiles = cdiv(M, FP8_BLOCK) * cdiv(N, FP8_BLOCK)
-    return not gated and M <= FP8_SWAP_ROWS and tma_tiles < programs
-
-
-# Split-K: each program sums at least this many K-tiles (shorter loops barely pipeline).
-_MIN_K_TILES_PER_SPLIT = 4
-_MAX_SPLIT_K = 8
-
-
-def split_k(tiles: int, k_tiles: int, programs: int) -> int:
-    """Programs per output tile for a decode GEMM: doubled while the grid stays within one
-    program per SM (Gemma-2B's down projection, 32 tiles of 64 columns, splits 4; the
-    measurements: benchmarks/NOTES.md)."""
-    split = 1
-    while (
-        split < _MAX_SPLIT_K
-        and 2 * split * tiles <= programs
-        and k_tiles >= 2 * split * _MIN_K_TILES_PER_SPLIT
-    ):
-        split *= 2
-    return split
 
 
 def tma_applies(M: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -258,7 +113,7 @@ def _tma_rows(t: torch.Tensor) -> bool:
 def tma_tiles_fill_gpu(M: int, N: int, K: int, dtype, device) -> bool:
     """Whether a single (not gated) TMA GEMM with M x N outputs has a tile for every program
     of its persistent grid (one per SM); with fewer, SMs idle (the kernel has no split-K)."""
-    cfg = gemm_config(M, N, K, dtype, gated=False, tma=True, extra_tiles=False)
+    cfg = gemm_config(M, N, dtype, device, gated=False, tma=True, extra_tiles=False)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     return tiles >= num_programs(device)
 
@@ -447,16 +302,16 @@ class _Plan:
             epi.dact != NO_ACT or epi.accumulate or (epi.store_preact and not epi.gated)
         )
         # swapped FP8 products (QUANT_A's among them) are the portable kernel's
-        swap = epi.fp8 and fp8_swap_ab(
-            M, N, epi.gated, epi.quant_a, num_programs(device), b_tma
-        )
+        swap = epi.fp8 and fp8_swap_ab(M, N, epi.gated, epi.quant_a, device, b_tma)
         self.tma = tma = tma and not swap and not epi.clear
         self.b_tma = b_tma
         # A gated B_TMA GEMM reads both weights through one descriptor (STACKED) where it
         # quantizes x itself; with x quantized apart (33-64 tokens) that was slower.
         self.stacks = b_tma and epi.gated and epi.quant_a
-        self.cfg = cfg = gemm_config(
-            M, N, K, dtype, epi.gated, tma, extra_tiles, epi.fp8, swap, b_tma
+        self.cfg = cfg = (
+            fp8_config(M, epi.gated, tma, swap, b_tma)
+            if epi.fp8
+            else gemm_config(M, N, dtype, device, epi.gated, tma, extra_tiles)
         )
         self.tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
         self.split = 1
@@ -759,13 +614,6 @@ def quantize_fp8(
     launcher(grid, x, up, q, s, M, K, stride_m, stride_k, s.stride(0))
 
 
-# The most rows whose dual GEMM quantizes a 16-bit A itself (QUANT_A, swapped products):
-# one token tile (fp8_config's 32 rows). Beyond, each token tile would quantize x again:
-# on the H200 at 64 tokens the MLP took 61 us against 47.5 with x quantized apart
-# (benchmarks/NOTES.md).
-FP8_QUANT_A_ROWS = 32
-
-
 def gemm_fp8(
     a: torch.Tensor,  # [M, K] e4m3
     a_scale: torch.Tensor,  # [cdiv(K, 128), M] fp32, rows M apart
@@ -850,19 +698,13 @@ def launch_gemm_gated_fp8(a, a_scale, b_gate, gate_scale, b_up, up_scale, h, h_s
 # cuBLAS's 1 x 128 activation scales ([K/128, rows] seen transposed) must keep each K
 # block's column 16-byte aligned: 65 rows were refused, padded strides too (torch's check).
 FP8_CUBLAS_ROWS = 4
-# The fewest rows whose FP8 GEMM cuBLAS computes: below, the host time its call adds to an
-# eager MLP outweighed the GPU time it saved (on the H200 at 1024 tokens the MLP's host
-# time rose from 356 to 487 us against GPU times of 318 and 286, cuBLAS for the down
-# projection; benchmarks/NOTES.md). For gate and up too (all three applying), measured at
-# 2048 rows only part by part: 0.45 against our MLP's 0.55 ms, not as an eager op.
-FP8_CUBLAS_MIN_ROWS = 2048
 
 
 def fp8_cublas_applies(
     M: int, b: torch.Tensor, b_scale: torch.Tensor, bias, dtype: torch.dtype
 ) -> bool:
     """Whether cuBLAS computes an FP8 GEMM of M rows (``gemm_fp8_cublas``, its A's rows
-    padded to a multiple of FP8_CUBLAS_ROWS): from FP8_CUBLAS_MIN_ROWS rows where it runs
+    padded to a multiple of FP8_CUBLAS_ROWS): from the table's ``fp8_cublas_min_rows`` where it runs
     (has_cublas_fp8_blocks), 1.5x faster than our TMA kernel at 2048 to 8192 rows of
     Gemma-2B's down projection on the H200 (its K blocks' scaling overlaps the MMAs, where
     ours waits for each; benchmarks/NOTES.md). Without a bias, a 16-bit output, N a
@@ -870,7 +712,7 @@ def fp8_cublas_applies(
     4), a weight of 16-byte-aligned rows, contiguous weight scales."""
     N, K = b.shape
     return (
-        M >= FP8_CUBLAS_MIN_ROWS
+        M >= table(b.device).fp8_cublas_min_rows
         and bias is None
         and dtype in (torch.bfloat16, torch.float16)
         and N % FP8_BLOCK == 0
@@ -899,42 +741,6 @@ def gemm_fp8_cublas(
 
 
 # --- The whole MLP in one launch (decode) ------------------------------------------------
-
-# The most tokens geglu_mlp_small takes: one 16-row tile; its fp32 atomics grow with the
-# tokens (benchmarks/NOTES.md).
-MLP_MAX_TOKENS = 16
-
-
-def mlp_config(
-    H: int, I: int, dtype: torch.dtype, device: torch.device, fp8: bool = False
-) -> dict:
-    """geglu_mlp_kernel's tiles: one program per BLOCK_I intermediate columns, as many as
-    fit one wave of the GPU (Gemma-2B, I = 16384: 128 programs of 128 columns), output
-    tiles of 256 columns in 16 bits (fewer tiles to reduce); the H200 sweep's best
-    (benchmarks/results/*-tune-decode.json); the last program reads the sums back 1024
-    columns at a time (BLOCK_FINAL: each exchange waits for its round trip to L2). FP8:
-    every other tile is 128 wide, the scale block; the down product swapped, 4 stages
-    (the H200 probes' best: benchmarks/NOTES.md)."""
-    if fp8:
-        return {"BLOCK_I": FP8_BLOCK, "BLOCK_K": FP8_BLOCK, "BLOCK_N": FP8_BLOCK,
-                "BLOCK_FINAL": 2 * FP8_BLOCK if INTERPRETED else 1024,
-                "num_warps": 4 if INTERPRETED else 8,
-                "num_stages": 1 if INTERPRETED else 4}  # fmt: skip
-    if INTERPRETED:
-        return {
-            "BLOCK_I": 32,
-            "BLOCK_K": 32,
-            "BLOCK_N": 32,
-            "BLOCK_FINAL": 64,
-            "num_warps": 4,
-            "num_stages": 1,
-        }
-    block_i = 128 if cdiv(I, 128) >= num_programs(device) // 2 else 64
-    wide = dtype != torch.float32  # fp32 tiles of twice the bytes: half as wide
-    return {"BLOCK_I": block_i, "BLOCK_K": 128 if wide else 64,
-            "BLOCK_N": 256 if wide else 128, "BLOCK_FINAL": 1024, "num_warps": 8,
-            "num_stages": 3}  # fmt: skip
-
 
 # The one-launch MLP's fp32 sums [M, N] and its arrival count, both zero between launches
 # (the last program of each launch zeroes them).
@@ -1011,7 +817,7 @@ def _mlp_plan(M, H, I, N, dtype, device, activation: int, strides: tuple) -> tup
             with torch.cuda.device(device):
                 torch.cuda.current_blas_handle()
         fp8 = strides[-1] is not None
-        cfg = mlp_config(H, I, dtype, device, fp8)
+        cfg = mlp_config(I, dtype, device, fp8)
         constexprs = {
             "HAS_BIAS": strides[-7] is not None,
             "HAS_DOWN_BIAS": strides[-5] is not None,

@@ -64,17 +64,20 @@ def _toolkit_libdevice() -> str | None:
     return None
 
 
-# Compile options of every kernel on CUDA, so that the GeLU math rounds as PyTorch's CUDA
-# kernels (nvcc's defaults): a * b + c contracted into FMAs (Triton's default in 3.6, not
-# in every version), libdevice without flush-to-zero, and torch's toolkit libdevice where
-# found, unless the user points Triton at one (TRITON_LIBDEVICE_PATH). Other backends'
-# options have neither field (Triton refuses unknown options).
+# Compile options of every kernel, so that the GeLU math rounds as PyTorch's GPU kernels:
+# a * b + c contracted into FMAs (nvcc's and hipcc's default; Triton's default changes
+# across versions, and 3.9 warns where it is left unset), and on CUDA libdevice without
+# flush-to-zero, and torch's toolkit libdevice where found, unless the user points Triton
+# at one (TRITON_LIBDEVICE_PATH). The AMD backend has no libdevice fields, and Intel's
+# XPU backend is left to its defaults (Triton refuses unknown options).
 _USER_LIBDEVICE = getattr(getattr(knobs, "nvidia", None), "libdevice_path", None)
 TOOLKIT_LIBDEVICE = None if _USER_LIBDEVICE else _toolkit_libdevice()
-COMPILE_OPTIONS = (
-    {}
-    if INTERPRETED or not torch.version.cuda or torch.version.hip
-    else {
+if INTERPRETED or not (torch.version.cuda or torch.version.hip):
+    COMPILE_OPTIONS = {}
+elif torch.version.hip:
+    COMPILE_OPTIONS = {"enable_fp_fusion": True}
+else:
+    COMPILE_OPTIONS = {
         "enable_fp_fusion": True,
         "enable_reflect_ftz": False,
         **(
@@ -83,7 +86,6 @@ COMPILE_OPTIONS = (
             else {}
         ),
     }
-)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -157,16 +159,27 @@ def has_cublas_fp8_blocks(device: torch.device) -> bool:
 class BoundedCache(dict):
     """A dict that forgets its oldest entry beyond ``size`` entries: host-side plans keyed by
     exact shapes stay few however many token counts a process sees. A hit is a plain
-    ``dict.get`` (no bookkeeping on the hot path)."""
+    ``dict.get`` (no bookkeeping on the hot path). Every one is emptied by
+    ``clear_plans`` (a launch table changed)."""
 
     def __init__(self, size: int):
         super().__init__()
         self.size = size
+        _PLAN_CACHES.append(self)
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
         if len(self) > self.size:
             del self[next(iter(self))]
+
+
+_PLAN_CACHES: list[BoundedCache] = []
+
+
+def clear_plans() -> None:
+    """Forgets every plan made from the launch tables (tuning.use changed one)."""
+    for cache in _PLAN_CACHES:
+        cache.clear()
 
 
 # Whether the direct launch works with this Triton: False from its first refused call on,
@@ -213,6 +226,8 @@ class Launcher:
         self.constexprs = {**COMPILE_OPTIONS, **constexprs}
         params = getattr(kernel, "params", ())
         self.values = tuple(constexprs[p.name] for p in params if p.is_constexpr)
+        # the CompiledKernel itself, not its function handle: from Triton 3.8 on, its
+        # __del__ unloads the module the handle lives in
         self.binary = None
         # the device the compiled kernel was loaded on (a CUDA function is per device)
         self.binary_device = None

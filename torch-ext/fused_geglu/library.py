@@ -24,7 +24,6 @@ from .elementwise import as_rows, geglu_backward, geglu_forward
 from .gemm import (
     FP8_BLOCK,
     FP8_CUBLAS_ROWS,
-    FP8_QUANT_A_ROWS,
     GELU_TANH,
     NO_ACT,
     fp8_cublas_applies,
@@ -42,6 +41,7 @@ from .gemm import (
     tma_applies,
 )
 from .launch import cdiv
+from .tuning import FP8_QUANT_A_ROWS
 
 
 def _rows_operand(t: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,10 @@ Measured on the H200 (benchmarks/NOTES.md):
   on the token count would recompile.
 - linear (``linear``, ``layers.Linear``, and no activation): in training cuBLAS, whose
   backward was faster on every measured shape; in inference our GEMM.
-- the activation in training: ours, except below TRAINING_KERNEL_MIN_ELEMENTS outputs
-  where the module's GeLU is one PyTorch op: there eager's ops (the module's own forward)
-  cost less host time than our autograd Function saves GPU time.
+- the activation in training: ours, except below the tuning table's
+  ``training_kernel_min_elements`` outputs where the module's GeLU is one PyTorch op:
+  there eager's ops (the module's own forward) cost less host time than our autograd
+  Function saves GPU time.
 - decode (at most MLP_MAX_TOKENS tokens, inference, where the dual GEMM runs), eager
   calls: the whole MLP in one launch (gemm.geglu_mlp_small), at half the host time of the
   two kernels and 2-30% more GPU time (1 to 16 tokens). In a CUDA graph or under
@@ -63,7 +64,6 @@ from .checks import (
     kernels_run_on,
 )
 from .gemm import (
-    MLP_MAX_TOKENS,
     NO_ACT,
     MLPLaunch,
     gelu_code,
@@ -71,20 +71,15 @@ from .gemm import (
     tma_tiles_fill_gpu,
 )
 from .launch import has_tma
-
-# Training calls with fewer activation outputs (tokens x intermediate) than this, where the
-# GeLU is one PyTorch op (``F.gelu``: eager's activation is then two ops forward and three
-# backward), run eager's ops: our autograd Function (Python) costs about 300 us more host
-# time per training step than they do, and saves about 9 ps of GPU time per output; the
-# crossover measured on the H200 lay between 19M and 38M outputs (ModernBERT base), 21M
-# and 42M (SD 1.5 GEGLU). Eager's and our activation agree bit for bit on the GPU.
-TRAINING_KERNEL_MIN_ELEMENTS = 2**25
+from .tuning import MLP_MAX_TOKENS, table
 
 
 def eager_activation_pays(outputs: int, *tensors) -> bool:
     """Whether a one-op GeLU's activation of ``outputs`` elements over ``tensors`` runs
-    eager's ops (TRAINING_KERNEL_MIN_ELEMENTS): a small call that autograd records."""
-    return outputs < TRAINING_KERNEL_MIN_ELEMENTS and autograd.needs_grad(*tensors)
+    eager's ops (the table's ``training_kernel_min_elements``): a small call that
+    autograd records."""
+    least = table(tensors[0].device).training_kernel_min_elements
+    return outputs < least and autograd.needs_grad(*tensors)
 
 
 def fuse_projections(x: torch.Tensor) -> bool:
@@ -164,7 +159,7 @@ def geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
     """``down(gelu(gate(x)) * up(x))`` by the policy's route (arguments already checked)."""
     training = autograd.needs_grad(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
     outputs = math.prod(x.shape[:-1]) * w_gate.shape[0]
-    if training and outputs < TRAINING_KERNEL_MIN_ELEMENTS:  # eager's ops
+    if training and outputs < table(x.device).training_kernel_min_elements:
         h = autograd.geglu_formula(
             F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up), approximate
         )
@@ -343,7 +338,7 @@ class ModuleRoute:
     fp8: tuple | None = None
     fp8_launches: dict = field(default_factory=dict)  # x's dtype -> MLPLaunch
     warned: set = field(default_factory=set)  # the reasons already warned of (eager)
-    # TRAINING_KERNEL_MIN_ELEMENTS: whether the GeLU is one PyTorch op, and (plain
+    # training_kernel_min_elements: whether the GeLU is one PyTorch op, and (plain
     # projections) the input size below which a training call runs the module's forward
     one_op_gelu: bool = False
     eager_training_inputs: int = 0
@@ -591,7 +586,8 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
     eager_training_inputs = 0
     if fusable is not None and one_op_gelu and fusable[0].numel():
         intermediate, hidden = fusable[0].shape
-        rows = -(-TRAINING_KERNEL_MIN_ELEMENTS // intermediate)
+        least = table(fusable[0].device).training_kernel_min_elements
+        rows = -(-least // intermediate)
         eager_training_inputs = rows * hidden
     down = module._modules[family.down] if family.down else None
     down_operands = _plain_linear_operands(down) if down is not None else None
@@ -637,7 +633,7 @@ def module_route(module: nn.Module, family: Family) -> ModuleRoute:
 
 
 def trains_eager(route: ModuleRoute, x: torch.Tensor) -> bool:
-    """Whether this call runs the module's own forward by TRAINING_KERNEL_MIN_ELEMENTS,
+    """Whether this call runs the module's own forward by training_kernel_min_elements,
     asked first (host time is this path's cost): plain projections (the route knows the
     sizes), a one-op GeLU, a small ``x`` (of another last dim, the module's forward
     raises its own error), autograd recording. Asked of any tensor ``x``: the module's

@@ -52,6 +52,7 @@ from .gemm_kernels import (
 )
 from .launch import (
     INTERPRETED,
+    SHARED_SCRATCH,
     BoundedCache,
     Launcher,
     cdiv,
@@ -166,6 +167,7 @@ def stream_scratch(
 # Split-K: the partial tiles (overwritten by each launch) and one counter per tile (at
 # most one per SM); the last program of each tile resets its own.
 _SPLIT_K_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+SHARED_SCRATCH.append(_SPLIT_K_SCRATCH)
 
 
 def later_split_k_counters(device: torch.device) -> torch.Tensor:
@@ -745,6 +747,7 @@ def gemm_fp8_cublas(
 # The one-launch MLP's fp32 sums [M, N] and its arrival count, both zero between launches
 # (the last program of each launch zeroes them).
 _MLP_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+SHARED_SCRATCH.append(_MLP_SCRATCH)
 _MLP_PLANS = BoundedCache(256)
 
 

@@ -14,6 +14,7 @@ compiled kernel's launcher what ``JITFunction.run`` would. Misaligned pointers, 
 
 import json
 import os
+import threading
 import warnings
 
 import torch
@@ -295,6 +296,8 @@ class Launcher:
             return False
 
     def _launch_through_triton(self, grid: int, args: tuple):
+        if INTERPRETED:
+            return _interpreted(self.kernel, grid, args, self.constexprs)
         key = (id(self.kernel), self.values)
         stages = _STAGES_THAT_FIT.get(key, self.constexprs["num_stages"])
         while True:
@@ -326,6 +329,26 @@ class Launcher:
         _drop_toolkit_libdevice(error)
         self.constexprs = without
         return binary
+
+
+# The interpreter runs a kernel's programs in Python, one after another: two threads'
+# launches would interleave (on the same scratch, and in Triton's patched language
+# module), and an interrupted launch (KeyboardInterrupt) stops part-way, leaving scratch
+# that launches otherwise leave zero (gemm.py's stores, SHARED_SCRATCH) half written. One
+# launch at a time, and the scratch dropped (made afresh, zeroed) where one stops. On a
+# GPU a launched kernel runs to its end, and launches on one stream run in order.
+_INTERPRETER = threading.Lock()
+SHARED_SCRATCH: list[dict] = []
+
+
+def _interpreted(kernel, grid: int, args: tuple, constexprs: dict):
+    with _INTERPRETER:
+        try:
+            return kernel[(grid,)](*args, **constexprs)
+        except BaseException:
+            for store in SHARED_SCRATCH:
+                store.clear()
+            raise
 
 
 def _drop_toolkit_libdevice(error: Exception) -> None:

@@ -279,3 +279,42 @@ def test_loading_makes_no_network_access(device):
     """
     result = run_python(script, no_network=True, HF_HUB_OFFLINE="1", LOCAL_KERNELS=None)
     assert result.returncode == 0, result.stderr
+
+
+def test_interpreter_set_after_triton_import_is_named():
+    """TRITON_INTERPRET=1 set after triton was imported (its library already jitted for
+    the GPU): a function refuses CPU tensors and a kernelized layer runs its module's own
+    forward with a warning, both naming the fix, instead of Triton's error."""
+    script = f"""
+        import os, warnings
+        from pathlib import Path
+        import torch, triton
+        os.environ["TRITON_INTERPRET"] = "1"
+        from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+        from kernels import get_local_kernel, replace_kernel_forward_from_hub
+        from transformers import GemmaConfig
+        from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+        fix = "set it before the first `import triton`"
+        module = get_local_kernel(Path({str(ROOT)!r}))
+        x = torch.randn(4, 16)
+        try:
+            module.geglu(x, x)
+            raise AssertionError("no error")
+        except RuntimeError as error:
+            assert fix in str(error), error
+        replace_kernel_forward_from_hub(GemmaMLP, "GeGLUMLP")
+        mlp = torch.nn.Sequential(GemmaMLP(GemmaConfig(hidden_size=16, intermediate_size=24)))
+        with torch.no_grad():
+            expected = mlp(x)
+        layer = LocalLayerRepository(Path({str(ROOT)!r}), layer_name="GeGLUMLP")
+        with use_kernel_mapping({{"GeGLUMLP": {{"cpu": layer}}}}, inherit_mapping=False):
+            kernelize(mlp, mode=Mode.INFERENCE, device="cpu")
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            got = mlp(x)
+        assert any(fix in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert torch.equal(got, expected)
+    """
+    result = run_python(script, no_network=True, TRITON_INTERPRET=None)
+    assert result.returncode == 0, result.stderr[-3000:]

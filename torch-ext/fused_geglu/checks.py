@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from .launch import INTERPRETED
+from .launch import CPU_UNAVAILABLE
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # cuda includes ROCm; cpu: the interpreter only; meta: shapes only (the fake kernels)
@@ -94,10 +94,10 @@ def check_tensors(op: str, dtensors: bool = False, **tensors: torch.Tensor) -> N
             f"{op}: Triton kernels cannot run on {first.device.type} tensors (supported: "
             f"cuda, xpu, cpu with TRITON_INTERPRET=1, and meta) ({describe(tensors)})"
         )
-    if first.device.type == "cpu" and not INTERPRETED:
+    if first.device.type == "cpu" and CPU_UNAVAILABLE:
         raise RuntimeError(
-            f"{op}: CPU tensors need the Triton interpreter (set TRITON_INTERPRET=1 before "
-            f"importing triton) or a GPU ({describe(tensors)})"
+            f"{op}: CPU tensors need the Triton interpreter or a GPU: {CPU_UNAVAILABLE} "
+            f"({describe(tensors)})"
         )
 
 
@@ -109,7 +109,9 @@ def is_dtensor(t: object) -> bool:
 
 
 # Device types where the Triton kernels run (the CPU only under the interpreter).
-_RUNNABLE_DEVICE_TYPES = frozenset(d for d in DEVICES if d != "cpu" or INTERPRETED)
+_RUNNABLE_DEVICE_TYPES = frozenset(
+    d for d in DEVICES if d != "cpu" or CPU_UNAVAILABLE is None
+)
 
 
 def kernels_run_on(device: torch.device) -> bool:
@@ -260,9 +262,10 @@ def check_geglu_mlp_fp8(op: str, x, weights: dict, scales: dict, biases: dict) -
             f"{op}: expected all tensors on one device ({describe(tensors)})"
         )
     if not kernels_run_on(device):
+        cpu = f": {CPU_UNAVAILABLE}" if device.type == "cpu" else ""
         raise RuntimeError(
             f"{op}: Triton kernels cannot run on {device.type} tensors here (a GPU, or "
-            f"the CPU with TRITON_INTERPRET=1) ({describe(tensors)})"
+            f"the CPU with TRITON_INTERPRET=1){cpu} ({describe(tensors)})"
         )
     if x.dtype not in FP8_ACT_DTYPES or any(
         b.dtype != x.dtype for b in given(**biases).values()

@@ -24,6 +24,18 @@ from triton.runtime.jit import JITFunction
 
 # triton.jit picks the interpreter when a kernel is defined; read the knob once, here.
 INTERPRETED = triton.knobs.runtime.interpret
+# Why the CPU cannot run the kernels in this process, or None where it can. With
+# TRITON_INTERPRET=1 set after triton was imported, Triton's own library (tl.sigmoid ...)
+# was jitted for the GPU and the interpreter cannot call it.
+if not INTERPRETED:
+    CPU_UNAVAILABLE = "the CPU needs TRITON_INTERPRET=1 set before triton is imported"
+elif isinstance(triton.language.standard.sigmoid, JITFunction):
+    CPU_UNAVAILABLE = (
+        "TRITON_INTERPRET=1 was set after triton was imported: set it before the first "
+        "`import triton` (or in the shell)"
+    )
+else:
+    CPU_UNAVAILABLE = None
 
 
 def _toolkit_version(root: str) -> str | None:

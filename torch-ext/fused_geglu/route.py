@@ -70,7 +70,7 @@ from .gemm import (
     tma_applies,
     tma_tiles_fill_gpu,
 )
-from .launch import has_tma
+from .launch import CPU_UNAVAILABLE, has_tma
 from .tuning import MLP_MAX_TOKENS, table
 
 
@@ -651,10 +651,8 @@ def fallback_reason(route: ModuleRoute, x: torch.Tensor) -> str | None:
 def input_reason(x: torch.Tensor) -> str | None:
     """Why our kernels cannot take ``x`` (None: they can)."""
     if not kernels_run_on(x.device):
-        return (
-            f"Triton kernels cannot run on {x.device.type} tensors in this process (the "
-            f"CPU needs TRITON_INTERPRET=1 before triton is imported)"
-        )
+        cpu = f" ({CPU_UNAVAILABLE})" if x.device.type == "cpu" else ""
+        return f"Triton kernels cannot run on {x.device.type} tensors in this process{cpu}"
     if x.dtype not in SUPPORTED_DTYPES:
         return f"its input is {x.dtype} (the kernels take bfloat16, float16, float32)"
     return None

@@ -373,6 +373,39 @@ def test_small_training_calls_run_eager_ops(
             assert ops.names, "inference ran none of our ops"
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+@pytest.mark.parametrize("family", MODULES)
+def test_functional_call_over_parameters(device, family, transform):
+    """torch.func over a kernelized module's parameters (functional_call under grad or
+    vmap, as per-sample-gradient tools use it): the parameters are the transform's
+    tensors, which the kernels cannot read, so the module runs its own forward, warning
+    why; eager's results. A plain call afterwards runs our kernels again."""
+    build, _ = MODULES[family]
+    eager = build().to(device)
+    ours = kernelized(copy.deepcopy(eager), device, Mode.TRAINING)
+    x = torch.randn(3, 5, 32, device=device)
+    ours(x)  # a route made with the module's own parameters
+    params = {k: v.detach() for k, v in eager.named_parameters()}
+    name = next(k for k in params if k.endswith("weight"))
+
+    def run(model):
+        if transform == "grad":
+            loss = lambda p: torch.func.functional_call(model, p, (x,)).square().sum()
+            return torch.func.grad(loss)(params)
+        stacked = torch.stack([params[name], 2 * params[name]])
+        one = lambda w: torch.func.functional_call(model, {**params, name: w}, (x,))
+        return {"out": torch.func.vmap(one)(stacked)}
+
+    expected = run(eager)
+    with pytest.warns(RuntimeWarning, match="torch.func transform tensors"):
+        got = run(ours)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    with torch.no_grad(), _OpNames() as ops:
+        ours(x)
+    assert ops.names, "a plain call after the transform ran none of our ops"
+
+
 def test_autocast_keeps_eager_casts(device):
     """Under autocast the projections run through it (as eager), then our activation."""
     eager = gated_dense(T5DenseGatedActDense, T5Config).to(device)

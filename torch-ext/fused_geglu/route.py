@@ -616,6 +616,25 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
     )  # fmt: skip
 
 
+_TRANSFORMED = (
+    "its parameters are torch.func transform tensors (functional_call under grad, vmap "
+    "or jvp), which the kernels cannot read"
+)
+
+
+def _transformed_parameters(module: nn.Module, family: Family) -> bool:
+    """Whether a submodule's parameter is a torch.func transform's tensor (no storage)."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    mods = module._modules
+    for name in family.children:
+        m = mods.get(name)
+        if m is not None and any(
+            t is not None and wrapped(t) for t in m._parameters.values()
+        ):
+            return True
+    return False
+
+
 def module_route(module: nn.Module, family: Family) -> ModuleRoute:
     """The module's route, re-derived only when what it depends on changed; under
     torch.compile derived while tracing (Dynamo guards on what it reads instead)."""
@@ -623,6 +642,8 @@ def module_route(module: nn.Module, family: Family) -> ModuleRoute:
         return _new_route(module, family, ())
     route = _ROUTES.get(id(module))
     if route is None or not _unchanged(module, route.watched):
+        if _transformed_parameters(module, family):  # for this call only
+            return ModuleRoute((), _TRANSFORMED)
         if route is None:
             weakref.finalize(module, _ROUTES.pop, id(module), None)
         watched = _watched(module, family)

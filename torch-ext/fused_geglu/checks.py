@@ -96,7 +96,7 @@ def check_tensors(op: str, dtensors: bool = False, **tensors: torch.Tensor) -> N
         )
     if first.device.type == "cpu" and CPU_UNAVAILABLE:
         raise RuntimeError(
-            f"{op}: CPU tensors need the Triton interpreter or a GPU: {CPU_UNAVAILABLE} "
+            f"{op}: CPU tensors need the Triton interpreter ({CPU_UNAVAILABLE}) or a GPU "
             f"({describe(tensors)})"
         )
 
@@ -262,10 +262,10 @@ def check_geglu_mlp_fp8(op: str, x, weights: dict, scales: dict, biases: dict) -
             f"{op}: expected all tensors on one device ({describe(tensors)})"
         )
     if not kernels_run_on(device):
-        cpu = f": {CPU_UNAVAILABLE}" if device.type == "cpu" else ""
+        where = f"the CPU: {CPU_UNAVAILABLE}" if device.type == "cpu" else "a GPU"
         raise RuntimeError(
-            f"{op}: Triton kernels cannot run on {device.type} tensors here (a GPU, or "
-            f"the CPU with TRITON_INTERPRET=1){cpu} ({describe(tensors)})"
+            f"{op}: Triton kernels cannot run on {device.type} tensors here ({where}) "
+            f"({describe(tensors)})"
         )
     if x.dtype not in FP8_ACT_DTYPES or any(
         b.dtype != x.dtype for b in given(**biases).values()

@@ -28,7 +28,7 @@ INTERPRETED = triton.knobs.runtime.interpret
 # TRITON_INTERPRET=1 set after triton was imported, Triton's own library (tl.sigmoid ...)
 # was jitted for the GPU and the interpreter cannot call it.
 if not INTERPRETED:
-    CPU_UNAVAILABLE = "the CPU needs TRITON_INTERPRET=1 set before triton is imported"
+    CPU_UNAVAILABLE = "set TRITON_INTERPRET=1 before importing triton"
 elif isinstance(triton.language.standard.sigmoid, JITFunction):
     CPU_UNAVAILABLE = (
         "TRITON_INTERPRET=1 was set after triton was imported: set it before the first "
@@ -308,8 +308,17 @@ class Launcher:
             return False
 
     def _launch_through_triton(self, grid: int, args: tuple):
-        if INTERPRETED:
-            return _interpreted(self.kernel, grid, args, self.constexprs)
+        if not INTERPRETED:
+            return self._compile_and_launch(grid, args)
+        with _INTERPRETER:  # see SHARED_SCRATCH
+            try:
+                return self._compile_and_launch(grid, args)
+            except BaseException:
+                for store in SHARED_SCRATCH:
+                    store.clear()
+                raise
+
+    def _compile_and_launch(self, grid: int, args: tuple):
         key = (id(self.kernel), self.values)
         stages = _STAGES_THAT_FIT.get(key, self.constexprs["num_stages"])
         while True:
@@ -351,16 +360,6 @@ class Launcher:
 # GPU a launched kernel runs to its end, and launches on one stream run in order.
 _INTERPRETER = threading.Lock()
 SHARED_SCRATCH: list[dict] = []
-
-
-def _interpreted(kernel, grid: int, args: tuple, constexprs: dict):
-    with _INTERPRETER:
-        try:
-            return kernel[(grid,)](*args, **constexprs)
-        except BaseException:
-            for store in SHARED_SCRATCH:
-                store.clear()
-            raise
 
 
 def _drop_toolkit_libdevice(error: Exception) -> None:

@@ -5,7 +5,7 @@ kernels' layer rules: no ``__init__``, no members but ``has_backward`` and
 here as annotations. Each forward has the signature of the forward it replaces. The route
 (which kernels, or the module's own forward) is route.py's: a layer runs our kernels only
 where they reproduce the module's forward, and otherwise the module's own forward
-(``type(self).forward``), with a warning naming the reason, once.
+(``own_forward``), with a warning naming the reason, once.
 """
 
 import warnings
@@ -70,6 +70,18 @@ def _checked_route(route, module: nn.Module, x: torch.Tensor, family: Family):
     return None
 
 
+def own_forward(module: nn.Module):
+    """The forward of the module's class: the nearest in its MRO that is not one of these
+    layers' (a class that binds ours, ``class Mine(GemmaMLP): forward =
+    GeGLUMLP.forward``, falls back to its base's, where calling ours again would
+    recurse)."""
+    for cls in type(module).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is not None and forward not in LAYER_FORWARDS:
+            return forward
+    return nn.Module.forward
+
+
 class GeGLUMLP(nn.Module):
     """``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Gemma, Gemma2, Gemma3 and every MLP
     whose forward is GemmaMLP's, with a GeLU ``act_fn``."""
@@ -85,13 +97,13 @@ class GeGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         route = module_route(self, GEMMA_MLP)
         if trains_eager(route, x):
-            return type(self).forward(self, x)
+            return own_forward(self)(self, x)
         out = mlp_output(route, x)
         if out is not None:
             return out
         route = _checked_route(route, self, x, GEMMA_MLP)
         if route is None:
-            return type(self).forward(self, x)
+            return own_forward(self)(self, x)
         h, fused = geglu_projections(route, x, GEMMA_MLP)
         return project_down(route, h, fused)
 
@@ -116,13 +128,13 @@ class T5GeGLUDense(nn.Module):
     def forward(self, hidden_states):
         route = module_route(self, T5_GATED_DENSE)
         if trains_eager(route, hidden_states):
-            return type(self).forward(self, hidden_states)
+            return own_forward(self)(self, hidden_states)
         out = mlp_output(route, hidden_states, self.dropout)
         if out is not None:
             return out
         route = _checked_route(route, self, hidden_states, T5_GATED_DENSE)
         if route is None:
-            return type(self).forward(self, hidden_states)
+            return own_forward(self)(self, hidden_states)
         hidden_states, fused = geglu_projections(route, hidden_states, T5_GATED_DENSE)
         hidden_states = self.dropout(hidden_states)
         # The original's condition, verbatim (transformers issue 20287).
@@ -151,13 +163,13 @@ class ModernBertGeGLUMLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         route = module_route(self, MODERNBERT_MLP)
         if trains_eager(route, hidden_states):
-            return type(self).forward(self, hidden_states)
+            return own_forward(self)(self, hidden_states)
         out = mlp_output(route, hidden_states, self.drop)
         if out is not None:
             return out
         route = _checked_route(route, self, hidden_states, MODERNBERT_MLP)
         if route is None:
-            return type(self).forward(self, hidden_states)
+            return own_forward(self)(self, hidden_states)
         h, fused = geglu_projections(route, hidden_states, MODERNBERT_MLP)
         return project_down(route, self.drop(h), fused)
 
@@ -187,10 +199,10 @@ class GEGLU(nn.Module):
     def forward(self, hidden_states, *args, **kwargs) -> torch.Tensor:
         route = module_route(self, DIFFUSERS_GEGLU)
         if trains_eager(route, hidden_states):
-            return type(self).forward(self, hidden_states, *args, **kwargs)
+            return own_forward(self)(self, hidden_states, *args, **kwargs)
         route = _checked_route(route, self, hidden_states, DIFFUSERS_GEGLU)
         if route is None:
-            return type(self).forward(self, hidden_states, *args, **kwargs)
+            return own_forward(self)(self, hidden_states, *args, **kwargs)
         if len(args) > 0 or kwargs.get("scale", None) is not None:
             warnings.warn(_SCALE_DEPRECATION, FutureWarning)
         return geglu_projections(route, hidden_states, DIFFUSERS_GEGLU)[0]
@@ -207,11 +219,9 @@ class Linear(nn.Module):
     can_torch_compile = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if (
-            type(self).forward is not nn.Linear.forward
-        ):  # a subclass with its own forward
+        if own_forward(self) is not nn.Linear.forward:  # a subclass with its own
             warn_fallback(self, "Linear", "its forward is not nn.Linear's")
-            return type(self).forward(self, input)
+            return own_forward(self)(self, input)
         weight, bias = self.weight, self.bias
         # A DTensor weight (tensor-parallel, FSDP): DTensor's linear does the collectives.
         # Mixed dtypes, sizes or devices: F.linear's own error.
@@ -245,7 +255,7 @@ def _halves_geglu(module: nn.Module, x: torch.Tensor, approximate: str, layer: s
         # the op for any other tensor, FakeTensors (torch.export) too
         return autograd.geglu_halves(x, 0, approximate)
     warn_fallback(module, layer, reason)
-    return type(module).forward(module, x)
+    return own_forward(module)(module, x)
 
 
 class GeluAndMul(nn.Module):
@@ -267,3 +277,11 @@ class GeluTanhAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _halves_geglu(self, x, "tanh", "GeluTanhAndMul")
+
+
+# The layers' forwards (own_forward passes over them).
+LAYER_FORWARDS = frozenset(
+    layer.forward
+    for layer in (GeGLUMLP, T5GeGLUDense, ModernBertGeGLUMLP, GEGLU, Linear,
+                  GeluAndMul, GeluTanhAndMul)
+)  # fmt: skip

@@ -203,15 +203,43 @@ def _is_one_op_gelu(act_fn: nn.Module) -> bool:
 
 
 def gelu_approximation(act_fn: nn.Module) -> str | None:
-    """The ``approximate`` that reproduces ``act_fn`` exactly, or None if it is no GeLU."""
+    """The ``approximate`` that reproduces ``act_fn`` exactly, or None if it is no GeLU
+    (or no longer computes what its class defines)."""
     name = type(act_fn).__name__
     if name in _TANH_GELU_CLASSES:
-        return "tanh"
-    if name in _EXACT_GELU_CLASSES:
-        return "none"
-    if type(act_fn) is nn.GELU:
-        return act_fn.approximate
-    return None
+        approximate = "tanh"
+    elif name in _EXACT_GELU_CLASSES:
+        approximate = "none"
+    elif type(act_fn) is nn.GELU:
+        approximate = act_fn.approximate
+    else:
+        return None
+    return approximate if _as_defined(act_fn, approximate) else None
+
+
+def _as_defined(act_fn: nn.Module, approximate: str) -> bool:
+    """Whether a GeLU module computes what its class defines: the class's own forward
+    (none patched on the class or the instance) and, where it holds its function
+    (transformers' GELUActivation and GELUTanh: ``self.act``), one its class sets for
+    this approximation: F.gelu, or the class's own formula bound to it."""
+    cls = type(act_fn)
+    if "forward" in act_fn.__dict__ or not _forward_as_written(cls):
+        return False
+    if "act" not in act_fn.__dict__:
+        return True
+    fn = act_fn.__dict__["act"]
+    if approximate == "none" and fn is F.gelu:
+        return True
+    if isinstance(fn, functools.partial):
+        return (
+            fn.func is F.gelu
+            and not fn.args
+            and fn.keywords == {"approximate": approximate}
+        )
+    formula = "_gelu_tanh_python" if approximate == "tanh" else "_gelu_python"
+    return getattr(fn, "__self__", None) is act_fn and getattr(
+        fn, "__func__", None
+    ) is cls.__dict__.get(formula)
 
 
 def _code_key(code: types.CodeType, doc: str | None = None) -> tuple:
@@ -293,6 +321,7 @@ def _reproduces(references: tuple[str, ...], module: str, qualname: str) -> bool
         known = fingerprint is not None and any(
             fingerprint == _forward_fingerprint(ref)
             for ref in _reference_classes(references)
+            if _forward_as_written(ref)  # a reference patched since: none to compare
         )
         _REPRODUCED[key] = known
     return known
@@ -304,6 +333,15 @@ def _reproduces(references: tuple[str, ...], module: str, qualname: str) -> bool
 # torch._dynamo at the package's import (3-4 s, and torch.distributed.tensor with it);
 # tests/test_families.py checks that the two agree.
 _reproduces._dynamo_marked_constant = True
+
+
+def _forward_as_written(cls: type) -> bool:
+    """Whether ``cls.forward`` is the one its class body defines (none assigned since)."""
+    forward = getattr(cls, "forward", None)
+    return (
+        getattr(forward, "__qualname__", None) == f"{cls.__qualname__}.forward"
+        and getattr(forward, "__module__", None) == cls.__module__
+    )
 
 
 def _reference_classes(references: tuple[str, ...]) -> list[type]:
@@ -348,16 +386,35 @@ class ModuleRoute:
 _ROUTES: dict[int, ModuleRoute] = {}
 
 
+def _hooked(m: nn.Module) -> bool:
+    """Whether a module carries hooks that a call of it fires (forward, forward-pre,
+    backward, backward-pre): our kernels would skip them."""
+    return bool(
+        m._forward_hooks
+        or m._forward_pre_hooks
+        or m._backward_hooks
+        or m._backward_pre_hooks
+    )
+
+
+_module_globals = nn.modules.module
+_GLOBAL_HOOKS = (
+    _module_globals._global_forward_hooks,
+    _module_globals._global_forward_pre_hooks,
+    _module_globals._global_backward_hooks,
+    _module_globals._global_backward_pre_hooks,
+)
+_GLOBALLY_HOOKED = (
+    "a global module hook is registered (torch.nn.modules.module.register_module_*_hook),"
+    " which fires for each of its submodules"
+)
+
+
 def _plain_linear_operands(m: nn.Module) -> tuple | None:
     """``(weight, bias)`` of an ``nn.Linear`` itself (no subclass: LoRA, quantised) whose
     call is exactly ``F.linear`` on local tensors: no hooks, no instance-level forward
     (patched, kernelized or tensor-parallel), no DTensor weight; else None."""
-    if (
-        type(m) is not nn.Linear
-        or m._forward_hooks
-        or m._forward_pre_hooks
-        or "forward" in m.__dict__
-    ):
+    if type(m) is not nn.Linear or _hooked(m) or "forward" in m.__dict__:
         return None
     weight = m._parameters["weight"]
     return None if is_dtensor(weight) else (weight, m._parameters["bias"])
@@ -367,10 +424,12 @@ _PARAMETERS = ("weight", "bias", "weight_scale_inv")  # weight_scale_inv: FP8Lin
 
 
 def _watched(module: nn.Module, family: Family) -> tuple:
-    """Everything a route depends on: the module's class; per submodule, the module, its
-    weight, bias and FP8 block scales (identity), whether it has hooks and the id of an
-    instance-level (patched) forward (not the function: it may hold the parent module);
-    and, as a flat list, the parameters' data pointers, shapes and strides (``module.to()``
+    """Everything a route depends on: the module's class and its forward; per submodule,
+    the module, its weight, bias and FP8 block scales (identity), whether it has hooks,
+    the id of an instance-level (patched) forward (not the function: it may hold the
+    parent module), its class's forward and, for the activation, its public attributes;
+    and, as a flat list, the parameters' data pointers, shapes, strides and whether they
+    require grad (views made of them link to autograd or not; ``module.to()``
     or pruning swap a parameter's data in place: cached views, and the prepared launch's
     sizes and addresses, would be stale) and the scales' versions (e8m0 scales are
     decoded into a copy, which an in-place ``load_state_dict`` would leave stale).
@@ -380,29 +439,38 @@ def _watched(module: nn.Module, family: Family) -> tuple:
     for name in family.children:
         m = mods.get(name)
         if m is None:
-            children.append((name, None, (), False, id(None)))
+            children.append((name, None, (), False, id(None), None, ()))
             continue
         params = m._parameters
         members = tuple((key, params.get(key)) for key in _PARAMETERS)
         for key, t in members:
             if type(t) in PLAIN_TENSORS:
-                datas.append((t, t.data_ptr(), t.shape, t.stride()))
+                datas.append((t, t.data_ptr(), t.shape, t.stride(), t.requires_grad))
                 if key == "weight_scale_inv":
                     versions.append((t, t._version))
-        hooked = bool(m._forward_hooks or m._forward_pre_hooks)
-        children.append((name, m, members, hooked, id(m.__dict__.get("forward"))))
-    return type(module), tuple(children), tuple(datas), tuple(versions)
+        # the activation's settings (nn.GELU's approximate, GELUActivation's function)
+        attrs = tuple(
+            (key, value)
+            for key, value in vars(m).items()
+            if name == family.act and key[0] != "_" and key != "training"
+        )
+        children.append(
+            (name, m, members, _hooked(m), id(m.__dict__.get("forward")),
+             type(m).forward, attrs)
+        )  # fmt: skip
+    cls = type(module)
+    return cls, cls.forward, tuple(children), tuple(datas), tuple(versions)
 
 
 def _unchanged(module: nn.Module, watched: tuple) -> bool:
     """Whether ``_watched(module, ...)`` would equal ``watched``: identity tests, reads of
     the modules' own dicts (afresh: a library may replace one, as DeepSpeed's ZeRO does
     ``_parameters``) and the tensors' queries; no calls of its own."""
-    cls, children, datas, versions = watched
-    if type(module) is not cls:
+    cls, forward, children, datas, versions = watched
+    if type(module) is not cls or cls.forward is not forward:  # a class patched later
         return False
     mods = module._modules
-    for name, m, members, hooked, forward in children:
+    for name, m, members, hooked, forward, cls_forward, attrs in children:
         if mods.get(name) is not m:
             return False
         if m is None:
@@ -411,13 +479,29 @@ def _unchanged(module: nn.Module, watched: tuple) -> bool:
         for key, member in members:
             if params.get(key) is not member:
                 return False
+        state = m.__dict__
         if (
-            bool(m._forward_hooks or m._forward_pre_hooks) is not hooked
-            or id(m.__dict__.get("forward")) != forward
+            bool(
+                m._forward_hooks
+                or m._forward_pre_hooks
+                or m._backward_hooks
+                or m._backward_pre_hooks
+            )
+            is not hooked
+            or id(state.get("forward")) != forward
+            or type(m).forward is not cls_forward
         ):
             return False
-    for t, pointer, shape, strides in datas:
-        if t.data_ptr() != pointer or t.shape != shape or t.stride() != strides:
+        for key, value in attrs:
+            if state.get(key) is not value:
+                return False
+    for t, pointer, shape, strides, grad in datas:
+        if (
+            t.data_ptr() != pointer
+            or t.shape != shape
+            or t.stride() != strides
+            or t.requires_grad is not grad
+        ):
             return False
     for t, version in versions:
         if t._version != version:
@@ -434,8 +518,7 @@ def _tp_colwise_shards(m: nn.Module) -> tuple | None:
     forward = m.__dict__.get("forward")
     if (
         type(m) is not nn.Linear
-        or m._forward_hooks
-        or m._forward_pre_hooks
+        or _hooked(m)
         or not is_dtensor(m.weight)
         or getattr(forward, "__name__", None) != "tp_forward"
     ):
@@ -483,8 +566,7 @@ def _fp8_linear_operands(m: nn.Module) -> tuple | None:
     if (
         cls.__name__ != "FP8Linear"
         or not cls.__module__.startswith("transformers.")
-        or m._forward_hooks
-        or m._forward_pre_hooks
+        or _hooked(m)
         or "forward" in m.__dict__
         or getattr(m, "activation_scheme", None) != "dynamic"
         or tuple(getattr(m, "block_size", None) or ()) != (128, 128)
@@ -565,7 +647,7 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
             return ModuleRoute(
                 watched, f"its activation {act_fn!r} is not a GeLU (exact or tanh)"
             )
-        if act_fn._forward_hooks or act_fn._forward_pre_hooks:
+        if _hooked(act_fn):
             return ModuleRoute(
                 watched, f"its activation {family.act} carries hooks, which must fire"
             )
@@ -578,8 +660,11 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
             (w_gate, b_gate), (w_up, b_up) = operands
         else:
             (weight, bias), g = operands[0], family.gate_half
-            w = weight.chunk(2)
-            b = (None, None) if bias is None else bias.chunk(2)
+            # views that autograd links to the projection's parameters, also where the
+            # route is made in a no_grad call (they serve later training calls too)
+            with torch.enable_grad():
+                w = weight.chunk(2)
+                b = (None, None) if bias is None else bias.chunk(2)
             w_gate, w_up, b_gate, b_up = w[g], w[1 - g], b[g], b[1 - g]
         if w_gate.shape == w_up.shape and (b_gate is None) == (b_up is None):
             fusable = (w_gate, w_up, b_gate, b_up)
@@ -638,12 +723,16 @@ def _transformed_parameters(module: nn.Module, family: Family) -> bool:
 def module_route(module: nn.Module, family: Family) -> ModuleRoute:
     """The module's route, re-derived only when what it depends on changed; under
     torch.compile derived while tracing (Dynamo guards on what it reads instead)."""
+    if any(_GLOBAL_HOOKS):  # for this call only
+        return ModuleRoute((), _GLOBALLY_HOOKED)
     if torch.compiler.is_compiling():
         return _new_route(module, family, ())
     route = _ROUTES.get(id(module))
     if route is None or not _unchanged(module, route.watched):
         if _transformed_parameters(module, family):  # for this call only
             return ModuleRoute((), _TRANSFORMED)
+        if route is not None and route.watched[1] is not type(module).forward:
+            _REPRODUCED.clear()  # the class's forward was replaced: compared again
         if route is None:
             weakref.finalize(module, _ROUTES.pop, id(module), None)
         watched = _watched(module, family)
@@ -673,7 +762,9 @@ def input_reason(x: torch.Tensor) -> str | None:
     """Why our kernels cannot take ``x`` (None: they can)."""
     if not kernels_run_on(x.device):
         cpu = f" ({CPU_UNAVAILABLE})" if x.device.type == "cpu" else ""
-        return f"Triton kernels cannot run on {x.device.type} tensors in this process{cpu}"
+        return (
+            f"Triton kernels cannot run on {x.device.type} tensors in this process{cpu}"
+        )
     if x.dtype not in SUPPORTED_DTYPES:
         return f"its input is {x.dtype} (the kernels take bfloat16, float16, float32)"
     return None
@@ -769,7 +860,7 @@ def _is_identity(dropout: nn.Module) -> bool:
     return (
         type(dropout) is nn.Dropout
         and (not dropout.training or dropout.p == 0)
-        and not (dropout._forward_hooks or dropout._forward_pre_hooks)
+        and not _hooked(dropout)
     )
 
 
@@ -790,9 +881,9 @@ def geglu_projections(route: ModuleRoute, x: torch.Tensor, family: Family):
             return autograd.geglu_linear(
                 x, w_gate, w_up, b_gate, b_up, route.approximate
             ), True
-    # Plain nn.Linear projections without hooks hand their outputs to no one else (a
-    # global forward hook could): the activation's backward may overwrite them.
-    owned = route.fusable is not None and not _GLOBAL_FORWARD_HOOKS
+    # Plain nn.Linear projections without hooks (and no global hook: module_route) hand
+    # their outputs to no one else: the activation's backward may overwrite them.
+    owned = route.fusable is not None
     if len(route.projections) == 2:
         gate, up = route.projections[0](x), route.projections[1](x)
         if route.one_op_gelu and eager_activation_pays(gate.numel(), gate, up):
@@ -804,9 +895,6 @@ def geglu_projections(route: ModuleRoute, x: torch.Tensor, family: Family):
             y, family.gate_half, route.approximate
         ), False
     return halves_activation(y, family.gate_half, route.approximate, owned), False
-
-
-_GLOBAL_FORWARD_HOOKS = nn.modules.module._global_forward_hooks
 
 
 def activation(

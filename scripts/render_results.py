@@ -1,11 +1,15 @@
-"""Regenerate the measured results from the committed JSON in benchmarks/results/: the
-newest *-compare.json (benchmarks/compare.py) and, when committed, the newest
-*-families.json (compare.py --only families), *-distributed.json
-(benchmarks/distributed.py) and *-report.json (scripts/report.py).
+"""Regenerate the measured results from the committed JSON in benchmarks/results/, one
+section per GPU. For each kind of result the newest file of each GPU counts (its GPU is the
+JSON's env["device"]): *-compare.json (benchmarks/compare.py; a run with --only renders
+only the parts it measured) and, when committed, *-compare-training.json, *-tune-decode.json,
+*-e2e.json, *-fp8.json, *-families.json (compare.py --only families), *-distributed.json
+(benchmarks/distributed.py), *-report.json (scripts/report.py), *-sweep-8192.json (GEMM
+tile sweeps at 8192 tokens, the newest of each Triton version) and *-sweep-decode.json.
 
 Two files each hold one generated block, between the `<!-- results:start -->` and
-`<!-- results:end -->` markers: README.md a summary (the families and the Gemma MLP
-forward), docs/results.md every table. `make results` runs it; --check only reports drift.
+`<!-- results:end -->` markers: README.md a summary (a few rows per GPU), docs/results.md
+every table. `make results` runs it; --check only reports drift. Every table is headed by
+the GPU, the date and the versions its JSON records.
 
 Every number is the JSON's, rounded one way: milliseconds to 3 decimals, or 3 significant
 digits below 0.1 ms; fractions to 2 decimals; µs and MiB to integers.
@@ -16,6 +20,7 @@ import json
 import math
 import sys
 import textwrap
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +34,7 @@ PEERS = {
     "ours": "fused-geglu `geglu`",
     "ours_gelu_tanh_and_mul": "fused-geglu `gelu_tanh_and_mul`",
     "ours_layer": "fused-geglu `GeGLUMLP` layer",
-    "ours_dual_gemm": "`geglu_mlp` (dual GEMM + our down GEMM)",
+    "ours_dual_gemm": "fused-geglu `geglu_mlp` function",
     "ours_fused_activation": "cuBLAS + fused activation",
     "eager": "eager",
     "compile": "torch.compile",
@@ -60,6 +65,51 @@ def load(path: Path) -> dict:
     return renamed(json.loads(path.read_text()))
 
 
+@cache
+def device_of(path: Path) -> str:
+    """The GPU a result was measured on: its env["device"], else its file name's
+    (``<date>-<device, spaces as _>-<kind>.json``)."""
+    env = load(path).get("env", {})
+    if env.get("device"):
+        return env["device"]
+    return path.name.split("-")[3].replace("_", " ")
+
+
+def results(kind: str, device: str | None = None) -> list[Path]:
+    """The ``*-<kind>.json`` files, oldest first (by name: names start with the date),
+    of one GPU, or of all."""
+    paths = sorted(RESULTS.glob(f"*-{kind}.json"))
+    return [p for p in paths if device is None or device_of(p) == device]
+
+
+def newest(kind: str, device: str | None = None) -> Path | None:
+    """The newest ``*-<kind>.json`` of ``device`` (of any GPU: None)."""
+    paths = results(kind, device)
+    return paths[-1] if paths else None
+
+
+def gpus() -> list[str]:
+    """The GPUs with a comparison (compare.py), in the order of their first one."""
+    return list(dict.fromkeys(device_of(p) for p in results("compare")))
+
+
+VERSIONS = {"torch": "torch", "triton": "Triton", "kernels": "kernels"}
+VERSIONS |= {"transformers": "transformers"}
+
+
+def stamp(*envs: dict, extra: tuple[str, ...] = ()) -> str:
+    """What heads a table: ``GPU, date (torch, Triton, kernels and transformers
+    versions)`` from the JSON's env (several: the values that differ joined by "and";
+    a version the JSON does not record, said so) and ``extra`` inside the parentheses."""
+
+    def value(key: str) -> str:
+        values = dict.fromkeys(str(e.get(key) or "not recorded") for e in envs)
+        return " and ".join(values)
+
+    versions = [f"{label} {value(key)}" for key, label in VERSIONS.items()]
+    return f"{value('device')}, {value('date')} ({', '.join([*versions, *extra])})"
+
+
 def ms(value: float | None) -> str:
     """3 decimals; below 0.1 ms, 3 significant digits."""
     if value is None:
@@ -84,16 +134,46 @@ def paragraph(text: str) -> list[str]:
     return [line.replace("\0", " ") for line in lines] + [""]
 
 
-def mlp_forward_table(mlp: dict, key: str, fmt) -> list[str]:
-    """The MLP forward's ``key`` by token count and peer, each ``fmt``-ed; the token counts
-    measured without it are left out (no table at all: [])."""
-    peers = list(next(iter(mlp["forward"].values())))
-    rows = [
-        [tokens] + [fmt(row[p][key]) for p in peers]
-        for tokens, row in mlp["forward"].items()
-        if key in row[peers[0]]
-    ]
-    return table(["tokens"] + [PEERS[p] for p in peers], rows) + [""] if rows else []
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+FLOOR = (
+    "floor: the larger of the three GEMMs' FLOPs at the run's measured matmul rate "
+    "and the three weights' bytes at its copy rate"
+)
+
+
+def mlp_floor_ms(mlp: dict, tokens: int, ceil: dict) -> float:
+    """The Gemma MLP's floor at ``tokens`` (FLOOR), ms."""
+    h, i = mlp["hidden"], mlp["intermediate"]
+    flops_ms = 3 * 2 * tokens * h * i / (ceil["matmul_TFLOPs"] * 1e9)
+    bytes_ms = 3 * h * i * DTYPE_BYTES[mlp["dtype"]] / (ceil["copy_TBps"] * 1e9)
+    return max(flops_ms, bytes_ms)
+
+
+def mlp_forward_table(
+    mlp: dict,
+    key: str,
+    fmt,
+    ceil: dict | None = None,
+    peers: list[str] | None = None,
+    floor_head: str = "floor",
+) -> list[str]:
+    """The MLP forward's ``key`` by token count and peer (``peers``: those, else all),
+    each ``fmt``-ed; the token counts measured without it are left out (no table at
+    all: []). With ``ceil``, the floor (FLOOR; its column ``floor_head``) and our
+    layer's fraction of it."""
+    peers = peers or list(next(iter(mlp["forward"].values())))
+    head = ["tokens"] + [PEERS[p] for p in peers]
+    head += [floor_head, "layer: fraction of floor"] if ceil else []
+    rows = []
+    for tokens, row in mlp["forward"].items():
+        if key not in row[peers[0]]:
+            continue
+        cells = [tokens] + [fmt(row[p][key]) for p in peers]
+        if ceil:
+            floor = mlp_floor_ms(mlp, int(tokens), ceil)
+            cells += [ms(floor), frac(floor / row["ours_layer"][key])]
+        rows.append(cells)
+    return table(head, rows) + [""] if rows else []
 
 
 def linear_table(rows: list[dict], head: list[str]) -> list[str]:
@@ -109,16 +189,28 @@ def linear_table(rows: list[dict], head: list[str]) -> list[str]:
     return table(head, cells) + [""]
 
 
+# compare.py's sections, in its order; a run with --only has some of them.
+COMPARE_SECTIONS = ("activation", "linear", "mlp", "training", "families", "host")
+
+
+def compare_command(result: dict) -> str:
+    """The compare.py command that wrote ``result``: --only for a subset of sections."""
+    measured = [s for s in COMPARE_SECTIONS if s in result]
+    only = (
+        f" --only {' '.join(measured)}" if len(measured) < len(COMPARE_SECTIONS) else ""
+    )
+    return f"python benchmarks/compare.py{only}"
+
+
 def compare_section(path: Path, result: dict) -> list[str]:
+    """compare.py's tables, those of the sections it measured."""
     env, ceil = result["env"], result["ceilings"]
     tune = path.with_name(path.name.replace("-compare.json", "-tune.json"))
     peers = f"liger-kernel {env['liger_kernel']}" if env["liger_kernel"] else "no Liger"
     text = (
-        f"Measured on one {env['device']} on {env['date']} (torch {env['torch']}, Triton "
-        f"{env['triton']}, transformers {env['transformers']}, {peers}), every peer in "
-        f"the same run, medians of `triton.testing.do_bench` (CUDA-graph replay for 64 "
-        f"tokens or fewer). Source: `{path.relative_to(ROOT)}`, made by "
-        f"`python benchmarks/compare.py`"
+        f"Measured on one {stamp(env, extra=(peers,))}, every peer in the same run, "
+        f"medians of `triton.testing.do_bench` (CUDA-graph replay for 64 tokens or "
+        f"fewer). Source: `{path.relative_to(ROOT)}`, made by `{compare_command(result)}`"
     )
     if tune.exists():
         text += (
@@ -130,21 +222,34 @@ def compare_section(path: Path, result: dict) -> list[str]:
         f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s."
     )
     lines = paragraph(text)
+    if "activation" in result:
+        lines += activation_section(result["activation"])
+    if "linear" in result:
+        lines += linear_section(result["linear"])
+    if "mlp" in result:
+        lines += mlp_section(result["mlp"], ceil)
+    if "training" in result:
+        lines += training_section(result["training"])
+    if "host" in result:
+        lines += host_section(result["host"])
+    return lines
 
-    act = result["activation"]
+
+def activation_section(act: dict) -> list[str]:
     m, n = act["shape"]
-    lines += [f"GeGLU activation, {m} x {n}, {act['dtype']}, {act['approximate']}:", ""]
+    lines = [f"GeGLU activation, {m} x {n}, {act['dtype']}, {act['approximate']}:", ""]
     rows = [
         [PEERS[name], ms(r["fwd_ms"]), frac(r.get("fwd_frac_of_copy"))]
         + [ms(r.get("fwd_bwd_ms"))]
         for name, r in act["rows"].items()
     ]
     head = ["", "forward ms", "forward, fraction of copy bandwidth"]
-    lines += table(head + ["forward+backward ms"], rows) + [""]
+    return lines + table(head + ["forward+backward ms"], rows) + [""]
 
-    lin = result["linear"]
+
+def linear_section(lin: dict) -> list[str]:
     # compare.py's linear section runs in bfloat16 and does not record it.
-    lines += ["Linear with bias, bfloat16, forward ms (M tokens x N out x K in):", ""]
+    lines = ["Linear with bias, bfloat16, forward ms (M tokens x N out x K in):", ""]
     head = ["M, N, K", "fused-geglu `linear`", "cuBLAS `F.linear`", "torch.compile"]
     speed = "`linear` speed / cuBLAS's"
     lines += linear_table(lin["forward"], head + ["`mm` then `+ bias`", speed])
@@ -159,11 +264,14 @@ def compare_section(path: Path, result: dict) -> list[str]:
             f"Linear forward+backward with bias at {shape}: fused-geglu "
             f"{ms(fb['ours'])} ms, eager {ms(fb['eager'])} ms."
         )
+    return lines
 
-    mlp = result["mlp"]
+
+def mlp_section(mlp: dict, ceil: dict) -> list[str]:
+    """The Gemma-2B MLP: forward ms with its floor, host µs, forward+backward."""
     title = f"Gemma-2B MLP (hidden {mlp['hidden']}, intermediate {mlp['intermediate']})"
-    lines += [f"{title}, {mlp['dtype']}, forward ms:", ""]
-    lines += mlp_forward_table(mlp, "ms", ms)
+    lines = paragraph(f"{title}, {mlp['dtype']}, forward ms; {FLOOR}:")
+    lines += mlp_forward_table(mlp, "ms", ms, ceil)
     if host := mlp_forward_table(mlp, "host_us", lambda us: f"{us:.0f}"):
         lines += ["Host (CPU) time per MLP forward, µs:", "", *host]
     parts = [
@@ -174,10 +282,6 @@ def compare_section(path: Path, result: dict) -> list[str]:
         f"MLP forward+backward at {FWD_BWD_TOKENS} tokens (peak extra memory in "
         f"parentheses): " + ", ".join(parts) + "."
     )
-    if "training" in result:
-        lines += training_section(result["training"])
-    if "host" in result:
-        lines += host_section(result["host"])
     return lines
 
 
@@ -230,7 +334,7 @@ def training_rerun_section(path: Path, result: dict) -> list[str]:
     """compare.py --only training, run after the newest full comparison."""
     env = result["env"]
     lines = paragraph(
-        f"Training rows measured again on {env['date']} at {env['source_commit']} "
+        f"Training rows measured again, {stamp(env)}, at {env['source_commit']} "
         f"(another {env['device']} host, every peer in the same run; "
         f"{env.get('note', '')}). Source: `{path.relative_to(ROOT)}`."
     )
@@ -259,9 +363,8 @@ def families_section(path: Path, result: dict) -> list[str]:
     """compare.py --only families: each family's layer against its eager module."""
     env = result["env"]
     lines = paragraph(
-        f"Each family's feed-forward, inference, bf16, {env['device']}, {env['date']} (torch "
-        f"{env['torch']}, Triton {env['triton']}, transformers {env['transformers']}): GPU "
-        f"time by CUDA-graph replay, host time per call beside it. Source: "
+        f"Each family's feed-forward, inference, bf16, {stamp(env)}: GPU time by "
+        f"CUDA-graph replay, host time per call beside it. Source: "
         f"`{path.relative_to(ROOT)}`, made by `python benchmarks/compare.py --only families`."
     )
     rows = [
@@ -278,9 +381,7 @@ def distributed_section(path: Path, result: dict) -> list[str]:
     """benchmarks/distributed.py: a kernelized model against eager on several GPUs."""
     env, model = result["env"], result["model"]
     lines = paragraph(
-        f"Distributed, {env['world_size']} x {env['device']}, {env['date']} (torch "
-        f"{env['torch']}, Triton {env['triton']}, transformers {env['transformers']}): a "
-        f"Gemma model with Gemma-2B's layer shapes, {model['num_hidden_layers']} layers, "
+        f"Distributed, {env['world_size']} x {stamp(env)}: a Gemma model with Gemma-2B's layer shapes, {model['num_hidden_layers']} layers, "
         f"{model['num_key_value_heads']} key/value heads, bf16, "
         f"{model['tokens_per_rank']} tokens per rank. Source: `{path.relative_to(ROOT)}`, "
         f"made by `torchrun --nproc_per_node 2 benchmarks/distributed.py`."
@@ -306,8 +407,7 @@ def report_section(path: Path, report: dict, link_root: str = "") -> list[str]:
     start with ``link_root``, the way from the rendered file to the repository root."""
     env, cfg = report["env"], report["config"]
     lines = paragraph(
-        f"Profiling report, {env['device']}, {env['date']} (torch {env['torch']}, "
-        f"Triton {env['triton']}), hidden {cfg['hidden']}, intermediate "
+        f"Profiling report, {stamp(env)}, hidden {cfg['hidden']}, intermediate "
         f"{cfg['intermediate']}, {cfg['dtype']}. Source: `{path.relative_to(ROOT)}`, "
         f"made by `python scripts/report.py`."
     )
@@ -350,32 +450,6 @@ def check_section(path: Path, check: dict) -> list[str]:
     )
 
 
-def newest(kind: str) -> Path | None:
-    paths = list(RESULTS.glob(f"*-{kind}.json"))
-    return max(paths) if paths else None
-
-
-def summary_section(compare: Path, result: dict) -> list[str]:
-    """README's block: each family's layer against eager (the Gemma MLP forward against
-    every peer is in docs/results.md)."""
-    env, families = result["env"], newest("families")
-    sources = f"`{compare.relative_to(ROOT)}`"
-    sources += f" and `{families.relative_to(ROOT)}`" if families else ""
-    lines = paragraph(
-        f"One {env['device']}, {env['date']}, torch {env['torch']}, Triton {env['triton']}, "
-        f"bf16 inference. Source: {sources}; all tables: [docs/results.md](docs/results.md)."
-    )
-    if families:
-        rows = [
-            [name, f"{r['tokens']} x {r['hidden']}", ms(r["eager_ms"]),
-             ms(r["ours_ms"]), f"{r['speedup']:.2f}x"]
-            for name, r in json.loads(families.read_text())["families"].items()
-        ]  # fmt: skip
-        head = ["feed-forward (GPU time, CUDA-graph replay)", "tokens x hidden"]
-        lines += table(head + ["eager ms", "fused-geglu ms", "speed-up"], rows) + [""]
-    return lines
-
-
 E2E_MODELS = {
     "ours_two_kernels": "fused-geglu, two kernels at decode",
     "free_mlp": "MLPs of zero cost (the ceiling)",
@@ -391,15 +465,20 @@ E2E_TASKS = {
 
 def e2e_section(path: Path, result: dict, brief: bool = False) -> list[str]:
     """The end-to-end rows: eager against kernelized, and the other models of the run;
-    then, but ``brief`` (README), the logits' agreement."""
+    then, but ``brief`` (README: no sources), the logits' agreement."""
     model, args = result["model"], result["args"]
     others = [k[: -len("_ms")] for k in result["rows"][0] if k.endswith("_ms")]
     others = [name for name in others if name not in ("eager", "ours")]
-    lines = paragraph(
-        f"Gemma-2B-shaped model ({model['num_hidden_layers']} layers, bf16), eager and "
-        f"kernelized, {args['rounds']} interleaved rounds (`{path.relative_to(ROOT)}`, "
-        f"`benchmarks/e2e.py`):"
-    )
+    text = f"{stamp(result['env'])}: Gemma-2B-shaped model"
+    if brief:
+        text += f", {model['num_hidden_layers']} layers, {args['rounds']} rounds:"
+    else:
+        text += (
+            f" ({model['num_hidden_layers']} layers, bf16), eager and kernelized, "
+            f"{args['rounds']} interleaved rounds (`{path.relative_to(ROOT)}`, "
+            f"`benchmarks/e2e.py`):"
+        )
+    lines = paragraph(text)
     head = ["", "eager", "fused-geglu", "speed-up", "per round", "tokens equal"]
     head += [f"{E2E_MODELS.get(name, name)}: speed-up" for name in others]
     rows = []
@@ -443,9 +522,9 @@ def decode_section(path: Path, result: dict) -> list[str]:
             cells += [ms(row["fp8_one_kernel"]), ms(row["fp8_three_kernels"])]
         rows.append(cells)
     lines = paragraph(
-        f"Gemma-2B decode MLP, GPU ms by CUDA-graph replay (`{path.relative_to(ROOT)}`): "
-        f"eager calls run one kernel (half the host time), CUDA graphs and torch.compile "
-        f"two:"
+        f"Gemma-2B decode MLP, {stamp(result['env'])}, GPU ms by CUDA-graph replay "
+        f"(`{path.relative_to(ROOT)}`): eager calls run one kernel (half the host time), "
+        f"CUDA graphs and torch.compile two:"
     )
     head = [
         "tokens",
@@ -471,13 +550,13 @@ README_FP8_TOKENS = (1, 16, 64, 8192)
 
 def fp8_section(path: Path, result: dict, brief: bool = False) -> list[str]:
     """The FP8 MLP against transformers' FP8 path and the bf16 MLPs, forward GPU ms;
-    ``brief`` (README): the table of its speeds alone."""
+    ``brief`` (README): the table of its speeds alone, no sources."""
     ceilings, rows = result["ceilings"], result["forward"]
     if brief:
         names = [n for n in FP8_PATHS if n in rows[0]["ms"]]
         lines = paragraph(
-            f"FP8 Gemma-2B MLP (`FineGrainedFP8Config`), forward ms: graph replay up to "
-            f"64 tokens, eager calls beyond (`{path.relative_to(ROOT)}`):"
+            f"{stamp(result['env'])}: FP8 Gemma-2B MLP, forward ms (graph replay to 64 "
+            f"tokens, then eager calls):"
         )
         cells = [
             [str(r["tokens"]), *(ms(r["ms"][n]) for n in names)]
@@ -487,7 +566,8 @@ def fp8_section(path: Path, result: dict, brief: bool = False) -> list[str]:
         return lines + table(["tokens", *(FP8_PATHS[n] for n in names)], cells) + [""]
     floor_ms = ceilings["fp8_weight_bytes"] / ceilings["copy_TBps"] / 1e9
     lines = paragraph(
-        f"Gemma-2B MLP with `FineGrainedFP8Config` projections (e4m3, 128 x 128 blocks, "
+        f"{stamp(result['env'])}: Gemma-2B MLP with `FineGrainedFP8Config` projections "
+        f"(e4m3, 128 x 128 blocks, "
         f"dynamic activations), forward ms: CUDA-graph replay up to 64 tokens (a graph "
         f"runs our dual GEMM and down GEMM, where an eager call of up to 16 tokens runs "
         f"the one kernel counted below), beyond that eager calls by do_bench (where the "
@@ -545,32 +625,171 @@ def fp8_section(path: Path, result: dict, brief: bool = False) -> list[str]:
     return lines
 
 
+def raw(path: Path) -> dict:
+    """A result's JSON as written (no RENAMED: the sweeps name cuBLAS "cublas")."""
+    return json.loads(path.read_text())
+
+
+def version_key(path: Path) -> tuple[int, ...]:
+    return tuple(int(v) for v in raw(path)["env"]["triton"].split("."))
+
+
+def sweeps_8192(device: str) -> list[Path]:
+    """The newest 8192-token GEMM sweep of each Triton version on ``device``, by
+    version."""
+    by_triton = {raw(p)["env"]["triton"]: p for p in results("sweep-8192", device)}
+    return sorted(by_triton.values(), key=version_key)
+
+
+def sweep_8192_section(paths: list[Path], brief: bool = False) -> list[str]:
+    """The 8192-token GEMM sweeps by Triton version: our dual GEMM (gate and up) and down
+    GEMM at the launch table's tiles against cuBLAS, and ``geglu_mlp`` against the eager
+    MLP; but ``brief`` (README: no sources), the fastest tile swept too."""
+    sweeps = [raw(p) for p in paths]
+    text = (
+        f"{stamp(*(s['env'] for s in sweeps))}: the Gemma-2B MLP's GEMMs at 8192 tokens "
+        f"by Triton version, bf16, ms"
+    )
+    if brief:
+        lines = paragraph(
+            f"{stamp(*(s['env'] for s in sweeps))}: GEMMs at 8192 tokens, ms:"
+        )
+    else:
+        sources = ", ".join(f"`{p.relative_to(ROOT)}`" for p in paths)
+        lines = paragraph(
+            f"{text}, eager calls: our kernels at the launch table's tiles (the sweep's "
+            f"`None`) against cuBLAS (`F.linear`; gate and up: two calls) and `geglu_mlp` "
+            f"against the eager MLP ({sources}):"
+        )
+    head = ["Triton", "dual GEMM (gate, up)", "cuBLAS gate + up", "down GEMM"]
+    head += ["cuBLAS down", "`geglu_mlp`", "eager MLP"]
+    if not brief:
+        head += ["dual GEMM, fastest other tile swept", "down GEMM, fastest other tile swept"]
+    rows = []
+    for s in sweeps:
+        dual, down = s["dual/8192"], s["down/8192"]
+        cells = [s["env"]["triton"], ms(dual["None"]), ms(dual["cublas_x2"])]
+        cells += [ms(down["None"]), ms(down["cublas"]), ms(s["mlp_fn"])]
+        cells += [ms(s["mlp_eager"])]
+        if not brief:
+            for sweep in (dual, down):
+                tiles = {k: v for k, v in sweep.items() if k.startswith("(")}
+                tiles = {k: v for k, v in tiles.items() if isinstance(v, float)}
+                best = min(tiles, key=tiles.get)
+                cells.append(f"{ms(tiles[best])} {best}")
+        rows.append(cells)
+    return lines + table(head, rows) + [""]
+
+
+def sweep_decode_section(path: Path) -> list[str]:
+    """The decode sweep at the launch tables' tiles: the whole-MLP kernel at up to 16
+    tokens, our dual and down GEMMs, cuBLAS's down projection and ``geglu_mlp`` beyond,
+    against the weight-streaming floor."""
+    result = raw(path)
+    floor = result["floor_us"] / 1e3
+    lines = paragraph(
+        f"Gemma-2B decode MLP, {stamp(result['env'])}, bf16, GPU ms by CUDA-graph replay, "
+        f"the launch tables' tiles (`None` in `{path.relative_to(ROOT)}`, beside the other "
+        f"tiles swept): the one kernel for the whole MLP that eager calls of 16 tokens or "
+        f"fewer run; at more tokens our dual GEMM, our down GEMM, cuBLAS's down "
+        f"projection and `geglu_mlp`. Floor: the three weights' bytes at the run's copy "
+        f"rate ({result['ceilings']['copy_TBps']:.2f} TB/s):"
+    )
+    by_tokens: dict[int, dict[str, float]] = {}
+    for key, value in result.items():
+        name, _, tokens = key.partition("/")
+        if tokens.isdigit():  # one_launch/1, dual/32, mlp/32...
+            by_tokens.setdefault(int(tokens), {})[name] = value
+    head = ["tokens", "one kernel", "dual GEMM", "down GEMM", "cuBLAS down"]
+    head += ["`geglu_mlp`", "floor", "fraction of floor"]
+    rows = []
+    for tokens, row in sorted(by_tokens.items()):
+        one = row.get("one_launch", {}).get("None")
+        dual = row.get("dual", {}).get("None")
+        down = row.get("down", {})
+        mlp = row.get("mlp")
+        ours = one if one is not None else mlp
+        us = [one, dual, down.get("None"), down.get("cublas"), mlp]
+        cells = [tokens] + [ms(v / 1e3) if v is not None else "-" for v in us]
+        cells += [ms(floor), frac(floor / (ours / 1e3)) if ours else "-"]
+        rows.append(cells)
+    return lines + table(head, rows) + [""]
+
+
+README_PEERS = ("eager", "compile", "liger", "ours_layer", "ours_dual_gemm")
+
+
+def summary_mlp_section(result: dict) -> list[str]:
+    """README: the Gemma MLP forward of a comparison, the main peers and the floor."""
+    mlp, ceil = result["mlp"], result["ceilings"]
+    lines = paragraph(
+        f"{stamp(result['env'])}: Gemma-2B MLP forward, ms (graph replay up to 64 tokens):"
+    )
+    peers = [p for p in README_PEERS if p in next(iter(mlp["forward"].values()))]
+    floor = "floor: FLOPs at the run's matmul rate or weights at its copy rate"
+    return lines + mlp_forward_table(mlp, "ms", ms, ceil, peers, floor)
+
+
+def summary_families_section(path: Path) -> list[str]:
+    """README: each family's layer against eager."""
+    result = load(path)
+    lines = paragraph(
+        f"{stamp(result['env'])}: feed-forwards, bf16, CUDA-graph replay:"
+    )
+    rows = [
+        [name, f"{r['tokens']} x {r['hidden']}", ms(r["eager_ms"]),
+         ms(r["ours_ms"]), f"{r['speedup']:.2f}x"]
+        for name, r in result["families"].items()
+    ]  # fmt: skip
+    head = ["feed-forward", "tokens x hidden", "eager ms", "fused-geglu ms", "speed-up"]
+    return lines + table(head, rows) + [""]
+
+
 def render_summary() -> str:
-    """README.md's text between the markers."""
-    compare = max(RESULTS.glob("*-compare.json"))
-    lines = summary_section(compare, load(compare))
-    if path := newest("fp8"):
-        lines += fp8_section(path, load(path), brief=True)
-    if path := newest("e2e"):
-        lines += e2e_section(path, load(path), brief=True)
+    """README.md's text between the markers: per GPU, the families (else the Gemma MLP
+    forward), FP8, end to end and the Triton versions' 8192-token sweeps, where
+    measured."""
+    lines = paragraph(
+        "Every table, with sources and methods: [docs/results.md](docs/results.md)."
+    )
+    for gpu in gpus():
+        if path := newest("families", gpu):
+            lines += summary_families_section(path)
+        elif (path := newest("compare", gpu)) and "mlp" in (result := load(path)):
+            lines += summary_mlp_section(result)
+        if path := newest("fp8", gpu):
+            lines += fp8_section(path, load(path), brief=True)
+        if path := newest("e2e", gpu):
+            lines += e2e_section(path, load(path), brief=True)
+        if paths := sweeps_8192(gpu):
+            lines += sweep_8192_section(paths, brief=True)
     return "\n".join(lines) + "\n"
 
 
+# docs/results.md's sections of one GPU after its comparison, each from its newest file.
+SECTIONS = {"tune-decode": decode_section, "e2e": e2e_section, "fp8": fp8_section}
+SECTIONS |= {"families": families_section, "distributed": distributed_section}
+
+
 def render() -> str:
-    """docs/results.md's text between the markers: every table."""
-    compare = max(RESULTS.glob("*-compare.json"))
-    lines = compare_section(compare, load(compare))
-    rerun = newest("compare-training")
-    if rerun and rerun.name > compare.name:
-        lines += training_rerun_section(rerun, load(rerun))
-    sections = {"tune-decode": decode_section, "e2e": e2e_section, "fp8": fp8_section}
-    sections |= {"families": families_section}
-    sections |= {"distributed": distributed_section}
-    for kind, section in sections.items():
-        if path := newest(kind):
-            lines += section(path, load(path))
-    if path := newest("report"):
-        lines += report_section(path, load(path), link_root="../")
+    """docs/results.md's text between the markers: every table, per GPU."""
+    lines = []
+    for gpu in gpus():
+        lines += [f"### {gpu}", ""]
+        compare = newest("compare", gpu)
+        lines += compare_section(compare, load(compare))
+        rerun = newest("compare-training", gpu)
+        if rerun and rerun.name > compare.name:
+            lines += training_rerun_section(rerun, load(rerun))
+        for kind, section in SECTIONS.items():
+            if path := newest(kind, gpu):
+                lines += section(path, load(path))
+        if paths := sweeps_8192(gpu):
+            lines += sweep_8192_section(paths)
+        if path := newest("sweep-decode", gpu):
+            lines += sweep_decode_section(path)
+        if path := newest("report", gpu):
+            lines += report_section(path, load(path), link_root="../")
     return "\n".join(lines) + "\n"
 
 
@@ -579,15 +798,15 @@ TARGETS = {README: render_summary, RESULTS_DOC: render}
 
 
 def draw_report_charts() -> None:
-    """The newest report's PNG charts beside its JSON (matplotlib: not byte-stable, so
-    --check compares only the text)."""
-    paths = list(RESULTS.glob("*-report.json"))
+    """Each GPU's newest report's PNG charts beside its JSON (matplotlib: not byte-stable,
+    so --check compares only the text)."""
+    paths = [path for gpu in gpus() if (path := newest("report", gpu))]
     if not paths:
         return
-    path = max(paths)
     import report  # beside this script; imports torch, so only here
 
-    report.charts(json.loads(path.read_text()), RESULTS, prefix=f"{path.stem}-")
+    for path in paths:
+        report.charts(json.loads(path.read_text()), RESULTS, prefix=f"{path.stem}-")
 
 
 def replace_section(text: str, section: str, name: str = "README.md") -> str:

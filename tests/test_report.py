@@ -264,7 +264,10 @@ def test_training_benchmark(fused_geglu, device, monkeypatch):
 def test_render_linear_fwd_bwd():
     """compare.py's Linear forward+backward rows render as a table; results written when
     it timed one shape (``fwd_bwd_<MxNxK>_bias_ms``) as a sentence."""
-    result = render.load(max(render.RESULTS.glob("*-compare.json")))
+    with_linear = [
+        render.load(p) for p in sorted(render.RESULTS.glob("*-compare.json"))
+    ]
+    result = [r for r in with_linear if "linear" in r][-1]  # the newest that timed it
     forward, path = result["linear"]["forward"], render.RESULTS / "x-compare.json"
     ms = {"eager": 2.0, "compile": 3.0, "ours": 1.0}
     old = {"forward": forward, "fwd_bwd_8x16x32_bias_ms": ms}

@@ -664,7 +664,10 @@ def sweep_8192_section(paths: list[Path], brief: bool = False) -> list[str]:
     head = ["Triton", "dual GEMM (gate, up)", "cuBLAS gate + up", "down GEMM"]
     head += ["cuBLAS down", "`geglu_mlp`", "eager MLP"]
     if not brief:
-        head += ["dual GEMM, fastest other tile swept", "down GEMM, fastest other tile swept"]
+        head += [
+            "dual GEMM, fastest other tile swept",
+            "down GEMM, fastest other tile swept",
+        ]
     rows = []
     for s in sweeps:
         dual, down = s["dual/8192"], s["down/8192"]

@@ -18,10 +18,12 @@ from reference import (
 )
 
 pytestmark = pytest.mark.skipif(
-    HAS_GPU, reason="a GPU kernel cannot be interrupted part-way; the interpreter's case"
+    HAS_GPU,
+    reason="a GPU kernel cannot be interrupted part-way; the interpreter's case",
 )
 HIDDEN, INTER = 72, 200
-F16 = torch.float16  # the one-launch MLP's dtype in the interpreter (16-bit: the dual GEMM)
+# the one-launch MLP's dtype in the interpreter (16-bit operands: the dual GEMM)
+F16 = torch.float16
 
 
 def mlp_params():
@@ -73,7 +75,9 @@ def test_an_interrupted_mlp_launch_changes_no_later_result(
         check_mlp(fused_geglu, x_of(tokens), params)
 
 
-def test_an_interrupted_split_k_launch_changes_no_later_result(fused_geglu, monkeypatch):
+def test_an_interrupted_split_k_launch_changes_no_later_result(
+    fused_geglu, monkeypatch
+):
     """A split-K GEMM (one token, K split over programs that count their tile's arrivals)
     interrupted part-way: the next call's sums and counters start from zero."""
     x, w = torch.randn(1, 1000), torch.randn(64, 1000) / 1000**0.5

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, run_python
 from diffusers.models.activations import GEGLU
 from diffusers.models.attention import FeedForward
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
@@ -350,10 +350,13 @@ def test_small_training_calls_run_eager_ops(
         "geglu_projections",
         lambda *args: projected.append(1) or real(*args),
     )
+    ours = kernelized(copy.deepcopy(eager), device, Mode.TRAINING)
+    ours(x)  # a route made from the table before: the table's change must replace it
     for threshold, small in ((outputs + 1, True), (outputs, False)):
         table = {"training_kernel_min_elements": threshold}
         with fused_geglu.tuning.use(device, **table):
-            ours = kernelized(copy.deepcopy(eager), device, Mode.TRAINING)  # new route
+            for q in ours.parameters():
+                q.grad = None
             projected.clear()
             with _OpNames() as ops:
                 got = ours(x)
@@ -475,6 +478,35 @@ def test_torch_compile_fullgraph(device, family):
     (dx_eager,) = torch.autograd.grad(expected.square().sum(), x)
     (dx_ours,) = torch.autograd.grad(got.square().sum(), x)
     torch.testing.assert_close(dx_ours, dx_eager, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph_first_call_of_a_process():
+    """The first call of a fresh process traced by torch.compile(fullgraph=True): the
+    launch table is looked up while tracing (the GPU's properties, which Dynamo folds),
+    no graph break."""
+    script = f"""
+        import copy, torch
+        from pathlib import Path
+        from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+        from kernels import replace_kernel_forward_from_hub
+        from transformers import GemmaConfig
+        from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+        replace_kernel_forward_from_hub(GemmaMLP, "GeGLUMLP")
+        config = GemmaConfig(hidden_size=64, intermediate_size=128)
+        eager = GemmaMLP(config).to("cuda", torch.bfloat16)
+        ours = copy.deepcopy(eager)
+        layer = LocalLayerRepository(Path({str(ROOT)!r}), layer_name="GeGLUMLP")
+        with use_kernel_mapping({{"GeGLUMLP": {{"cuda": layer}}}}, inherit_mapping=False):
+            kernelize(ours, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device="cuda")
+        x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            got = torch.compile(ours, fullgraph=True)(x)
+            torch.testing.assert_close(got, eager(x), rtol=2e-2, atol=2e-2)
+    """
+    result = run_python(script, no_network=True, HF_HUB_OFFLINE="1")
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_t5_greedy_generate_same_tokens(device):

@@ -6,6 +6,7 @@ forward with a warning), never another number or a recursion."""
 
 import copy
 import functools
+import json
 import warnings
 
 import pytest
@@ -40,22 +41,34 @@ FAMILIES = {
 ACTIVATION = {"gemma": "act_fn", "t5": "act", "modernbert": "act"}
 
 
-def pair(family: str, device: str, mode=Mode.INFERENCE, change=None, dtype=None):
+def pair(
+    family: str,
+    device: str,
+    mode=Mode.INFERENCE,
+    change=None,
+    dtype=None,
+    first=torch.no_grad,
+    mapping=None,
+):
     """(eager module, kernelized copy) of ``family`` (in ``dtype``: float16 takes the dual
-    GEMM); ``change(module)`` applied to the eager one before the copy; the copy called
-    once (its route made)."""
+    GEMM); ``change(module)`` applied to the eager one before the copy; the copy
+    kernelized (our layers, and ``mapping``'s) and called once under ``first()`` (its
+    route made)."""
     eager = FAMILIES[family][0]().to(device, dtype or torch.float32)
     if change is not None:
         change(eager)
     ours = copy.deepcopy(eager)
     mapping = {
-        n: {device: LocalLayerRepository(ROOT, layer_name=n)}
-        for n in set(LAYERS.values())
+        **{
+            n: {device: LocalLayerRepository(ROOT, layer_name=n)}
+            for n in set(LAYERS.values())
+        },
+        **(mapping or {}),
     }
     with use_kernel_mapping(mapping, inherit_mapping=False):
         kernelize(ours, mode=mode, device=device)
     assert ours.forward.__func__.__qualname__.endswith(".forward")
-    with torch.no_grad():
+    with first():
         ours(torch.randn(2, 3, 32, device=device, dtype=dtype or torch.float32))
     return eager, ours
 
@@ -257,13 +270,49 @@ def test_activation_class_patched_after_the_first_call(device, family, monkeypat
     assert_same(got, expected)
 
 
+def hub_gelu_tanh(tmp_path, source: str) -> LocalLayerRepository:
+    """A Hub kernel of one layer, ``GeluTanh``, whose forward returns ``source`` of
+    ``input`` (kernels-community ``activation``'s layer, to which transformers maps
+    GELUTanh), in the layout kernels loads (a build variant per backend ours has)."""
+    for ours in (ROOT / "build").iterdir():
+        variant = tmp_path / "build" / ours.name
+        variant.mkdir(parents=True)
+        metadata = json.loads((ours / "metadata.json").read_text())
+        metadata.update(name="hub-gelu", id=f"_hub_gelu_{ours.name}")
+        (variant / "metadata.json").write_text(json.dumps(metadata))
+        (variant / "__init__.py").write_text("from . import layers\n")
+        (variant / "layers.py").write_text(
+            "import torch\n\n\nclass GeluTanh(torch.nn.Module):\n"
+            "    def forward(self, input):\n"
+            f"        return {source}\n"
+        )
+    return LocalLayerRepository(tmp_path, layer_name="GeluTanh")
+
+
+def test_activation_kernelized_from_the_hub(device, tmp_path):
+    """transformers' GELUTanh kernelized with a Hub layer (as ``use_kernels=True`` maps
+    it to kernels-community's ``activation``): by kernels' contract the layer computes
+    the class's GeLU, so our kernels run (no warning) and give eager's result."""
+    repo = hub_gelu_tanh(
+        tmp_path, "torch.nn.functional.gelu(input, approximate='tanh')"
+    )
+    x = torch.randn(3, 5, 32, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        eager, ours = pair("gemma", device, mapping={"GeluTanh": {device: repo}})
+        got = outputs(ours, x, False)
+    assert "forward" in ours.act_fn.__dict__, "the Hub layer was not installed"
+    assert_same(got, outputs(eager, x, False))
+
+
+@pytest.mark.parametrize("first", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_training_after_a_no_grad_first_call(device, family, dtype):
-    """The route made in a no_grad call (``pair``'s first call) serves training calls:
-    every parameter gets eager's gradient; a projection frozen afterwards
-    (requires_grad_(False)) gets none, as in eager."""
-    eager, ours = pair(family, device, Mode.TRAINING, dtype=dtype)
+def test_training_after_a_no_grad_first_call(device, family, dtype, first):
+    """The route made in a no_grad or inference_mode call (``pair``'s first call) serves
+    training calls: every parameter gets eager's gradient; a projection frozen
+    afterwards (requires_grad_(False)) gets none, as in eager."""
+    eager, ours = pair(family, device, Mode.TRAINING, dtype=dtype, first=first)
     x = torch.randn(3, 5, 32, device=device, dtype=dtype)
     assert_same(outputs(ours, x, True), outputs(eager, x, True))
     gate = FAMILIES[family][1]

@@ -36,8 +36,10 @@ def test_a_table_missing_a_shape_class_is_refused(fused_geglu):
 GPUS = [
     (H100, (9, 0), 132, H100),
     (H200, (9, 0), 132, H200),
-    ("NVIDIA H100 PCIe", (9, 0), 114, H100),  # no table: Hopper, nearest SMs (a tie)
-    ("NVIDIA H20", (9, 0), 78, H100),
+    ("NVIDIA H100 PCIe", (9, 0), 114, H100),  # no table: Hopper, nearest SMs
+    ("NVIDIA H20", (9, 0), 78, H200),  # SMs tie, then the name
+    ("NVIDIA H200 NVL", (9, 0), 132, H200),  # SMs tie: the longer shared name
+    ("NVIDIA H100 NVL", (9, 0), 132, H100),
     ("NVIDIA B200", (10, 0), 148, H200),  # Blackwell: no measured table, the default
     ("NVIDIA A100-SXM4-80GB", (8, 0), 108, H200),  # portable kernel: the default
     ("NVIDIA L40S", (8, 9), 142, H200),
@@ -50,16 +52,33 @@ GPUS = [
 def test_table_by_gpu(fused_geglu, monkeypatch, name, capability, sms, expected):
     tuning = fused_geglu.tuning
     props = types.SimpleNamespace(
-        major=capability[0], minor=capability[1], multi_processor_count=sms
+        name=name, major=capability[0], minor=capability[1], multi_processor_count=sms
     )
     monkeypatch.setattr(tuning, "INTERPRETED", False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     device = torch.device("cuda", 5)
     try:
         assert tuning.table(device).gpu == expected
     finally:
         tuning.set_table(device, None)
+
+
+def test_other_gpus_get_the_default_table(fused_geglu, monkeypatch):
+    """A ROCm GPU (no TMA kernel, whatever its capability number) and an XPU get the
+    default table, not the interpreter's or a Hopper's."""
+    tuning = fused_geglu.tuning
+    props = types.SimpleNamespace(
+        name="AMD Instinct MI300X", major=9, minor=4, multi_processor_count=304
+    )
+    monkeypatch.setattr(tuning, "INTERPRETED", False)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    for device in (torch.device("cuda", 5), torch.device("xpu", 0)):
+        try:
+            assert tuning.table(device) is tuning.DEFAULT, device
+        finally:
+            tuning.set_table(device, None)
 
 
 def test_use_sets_a_table_for_the_block_and_drops_plans(fused_geglu, device):

@@ -178,7 +178,7 @@ class BoundedCache(dict):
     def __init__(self, size: int):
         super().__init__()
         self.size = size
-        _PLAN_CACHES.append(self)
+        made_from_tables(self)
 
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
@@ -186,7 +186,14 @@ class BoundedCache(dict):
             del self[next(iter(self))]
 
 
-_PLAN_CACHES: list[BoundedCache] = []
+_PLAN_CACHES: list[dict] = []
+
+
+def made_from_tables(cache: dict) -> dict:
+    """``cache``, registered to be cleared by clear_plans: what it holds was decided from
+    the launch tables."""
+    _PLAN_CACHES.append(cache)
+    return cache
 
 
 def clear_plans() -> None:

@@ -70,7 +70,7 @@ from .gemm import (
     tma_applies,
     tma_tiles_fill_gpu,
 )
-from .launch import CPU_UNAVAILABLE, has_tma
+from .launch import CPU_UNAVAILABLE, has_tma, made_from_tables
 from .tuning import MLP_MAX_TOKENS, table
 
 
@@ -217,13 +217,27 @@ def gelu_approximation(act_fn: nn.Module) -> str | None:
     return approximate if _as_defined(act_fn, approximate) else None
 
 
+def _kernels_layer(module: nn.Module, forward) -> bool:
+    """Whether the instance ``forward`` is a Hub layer's that ``kernels.kernelize`` put
+    there (transformers maps its GELUTanh and GELUActivation to kernels-community's
+    ``activation``): by kernels' contract it computes what the class's forward does."""
+    return (
+        "_kernel_repo" in module.__dict__
+        and isinstance(forward, types.MethodType)
+        and forward.__self__ is module
+    )
+
+
 def _as_defined(act_fn: nn.Module, approximate: str) -> bool:
     """Whether a GeLU module computes what its class defines: the class's own forward
-    (none patched on the class or the instance) and, where it holds its function
+    (none patched on the class, none on the instance but a kernels Hub layer's) and, where it holds its function
     (transformers' GELUActivation and GELUTanh: ``self.act``), one its class sets for
     this approximation: F.gelu, or the class's own formula bound to it."""
     cls = type(act_fn)
-    if "forward" in act_fn.__dict__ or not _forward_as_written(cls):
+    forward = act_fn.__dict__.get("forward")
+    if (forward is not None and not _kernels_layer(act_fn, forward)) or not (
+        _forward_as_written(cls)
+    ):
         return False
     if "act" not in act_fn.__dict__:
         return True
@@ -382,8 +396,9 @@ class ModuleRoute:
     eager_training_inputs: int = 0
 
 
-# id(module) -> its route; an entry leaves with its module (weakref.finalize).
-_ROUTES: dict[int, ModuleRoute] = {}
+# id(module) -> its route; an entry leaves with its module (weakref.finalize), and all
+# when a launch table changes (its thresholds and one-launch plans were read from one).
+_ROUTES: dict[int, ModuleRoute] = made_from_tables({})
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -423,11 +438,28 @@ def _plain_linear_operands(m: nn.Module) -> tuple | None:
 _PARAMETERS = ("weight", "bias", "weight_scale_inv")  # weight_scale_inv: FP8Linear's
 
 
+def _identity(value) -> weakref.ref | tuple:
+    """What ``_same`` compares ``value`` with later: a weak reference where ``value`` takes
+    one (a patched forward or function may hold the parent module, which a strong one
+    would keep alive; an id could be reused by its replacement), else ``(value,)``."""
+    try:
+        return weakref.ref(value)
+    except TypeError:  # None, str, int, ...: no weak references
+        return (value,)
+
+
+def _same(identity: weakref.ref | tuple, value) -> bool:
+    """Whether ``value`` is the object ``identity`` was made of."""
+    if type(identity) is tuple:
+        return identity[0] is value
+    return identity() is value
+
+
 def _watched(module: nn.Module, family: Family) -> tuple:
     """Everything a route depends on: the module's class and its forward; per submodule,
     the module, its weight, bias and FP8 block scales (identity), whether it has hooks,
-    the id of an instance-level (patched) forward (not the function: it may hold the
-    parent module), its class's forward and, for the activation, its public attributes;
+    an instance-level (patched) forward and, for the activation, its public attributes
+    (``_identity``), its class's forward;
     and, as a flat list, the parameters' data pointers, shapes, strides and whether they
     require grad (views made of them link to autograd or not; ``module.to()``
     or pruning swap a parameter's data in place: cached views, and the prepared launch's
@@ -439,7 +471,7 @@ def _watched(module: nn.Module, family: Family) -> tuple:
     for name in family.children:
         m = mods.get(name)
         if m is None:
-            children.append((name, None, (), False, id(None), None, ()))
+            children.append((name, None, (), False, (None,), None, ()))
             continue
         params = m._parameters
         members = tuple((key, params.get(key)) for key in _PARAMETERS)
@@ -450,12 +482,12 @@ def _watched(module: nn.Module, family: Family) -> tuple:
                     versions.append((t, t._version))
         # the activation's settings (nn.GELU's approximate, GELUActivation's function)
         attrs = tuple(
-            (key, value)
+            (key, _identity(value))
             for key, value in vars(m).items()
             if name == family.act and key[0] != "_" and key != "training"
         )
         children.append(
-            (name, m, members, _hooked(m), id(m.__dict__.get("forward")),
+            (name, m, members, _hooked(m), _identity(m.__dict__.get("forward")),
              type(m).forward, attrs)
         )  # fmt: skip
     cls = type(module)
@@ -488,12 +520,12 @@ def _unchanged(module: nn.Module, watched: tuple) -> bool:
                 or m._backward_pre_hooks
             )
             is not hooked
-            or id(state.get("forward")) != forward
+            or not _same(forward, state.get("forward"))
             or type(m).forward is not cls_forward
         ):
             return False
         for key, value in attrs:
-            if state.get(key) is not value:
+            if not _same(value, state.get(key)):
                 return False
     for t, pointer, shape, strides, grad in datas:
         if (
@@ -661,7 +693,7 @@ def _new_route(module: nn.Module, family: Family, watched: tuple) -> ModuleRoute
         else:
             (weight, bias), g = operands[0], family.gate_half
             # views that autograd links to the projection's parameters, also where the
-            # route is made in a no_grad call (they serve later training calls too)
+            # route is made in a no_grad call (module_route: in any mode)
             with torch.enable_grad():
                 w = weight.chunk(2)
                 b = (None, None) if bias is None else bias.chunk(2)
@@ -736,9 +768,12 @@ def module_route(module: nn.Module, family: Family) -> ModuleRoute:
         if route is None:
             weakref.finalize(module, _ROUTES.pop, id(module), None)
         watched = _watched(module, family)
-        route = _ROUTES[id(module)] = _new_route(module, family, watched)
-        if route.mlp is not None and route.mlp[0].numel() and route.mlp[2].shape[0]:
-            route.mlp_launch = MLPLaunch(*route.mlp, gelu_code(route.approximate))
+        # outside inference mode: the route's views (and their link to autograd) serve
+        # later calls of every mode
+        with torch.inference_mode(False):
+            route = _ROUTES[id(module)] = _new_route(module, family, watched)
+            if route.mlp is not None and route.mlp[0].numel() and route.mlp[2].shape[0]:
+                route.mlp_launch = MLPLaunch(*route.mlp, gelu_code(route.approximate))
     return route
 
 

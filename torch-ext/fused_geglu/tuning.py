@@ -7,11 +7,12 @@ each written by ``benchmarks/tune.py --write`` from a sweep on that GPU; ``table
 takes the one named for the device's GPU, else:
 
 - a Hopper or Blackwell data-center GPU (compute capability 9.x, 10.x: the TMA kernel)
-  takes the measured table of its architecture with the nearest SM count (an H800, GH200
-  or H20 the H100's or H200's; Blackwell the H200's numbers, not measured there);
-- any other CUDA GPU (Ampere, Ada: the portable kernel) the H200's numbers, which size the
-  portable kernel's tiles for 227 KB of shared memory (a launch that overflows retries
-  with fewer stages: launch.Launcher);
+  takes the measured table of its architecture with the nearest SM count, then the
+  longest shared name (an H800, GH200 or H20 the H100's or H200's; Blackwell the H200's
+  numbers, not measured there);
+- any other GPU (Ampere, Ada, ROCm, XPU: the portable kernel) the H200's numbers, which
+  size the portable kernel's tiles for 227 KB of shared memory (a launch that overflows
+  retries with fewer stages: launch.Launcher);
 - the Triton interpreter ``INTERPRETER``: small tiles, numpy pays per program.
 
 The FP8 tiles (``fp8_config``) and the sizes fixed by a kernel's shape (one-launch rows,
@@ -151,15 +152,30 @@ INTERPRETER = Tuning(
 )
 
 
-def _nearest(device: torch.device) -> Tuning:
-    """The table for a GPU with none of its own (the module docstring's heuristic)."""
-    props = torch.cuda.get_device_properties(device)
-    if props.major not in (9, 10):
+def _shared_prefix(a: str, b: str) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
+    )
+
+
+def _nearest(props) -> Tuning:
+    """The table for a GPU with none of its own (the module docstring's heuristic); ties
+    in SM count (H100 and H200 both have 132) go to the longer shared name prefix (an
+    "NVIDIA H200 NVL" the H200's)."""
+    if torch.version.hip is not None or props.major not in (9, 10):  # ROCm: no TMA
         return DEFAULT
-    measured = [t for t in SHIPPED.values() if t.capability[0] == props.major] or [
-        DEFAULT
+    measured = [
+        t for t in SHIPPED.values() if t.capability and t.capability[0] == props.major
     ]
-    return min(measured, key=lambda t: abs(t.sms - props.multi_processor_count))
+    if not measured:
+        return DEFAULT
+    return min(
+        measured,
+        key=lambda t: (
+            abs(t.sms - props.multi_processor_count),
+            -_shared_prefix(t.gpu, props.name),
+        ),
+    )
 
 
 # device -> its table (a dict: torch.compile traces the route policy that reads it)
@@ -170,20 +186,23 @@ def table(device: torch.device) -> Tuning:
     """The launch table for ``device``."""
     t = _TABLES.get(device)
     if t is None:
-        if INTERPRETED or device.type != "cuda":
+        if INTERPRETED or device.type == "cpu":
             t = INTERPRETER
-        else:
-            name = torch.cuda.get_device_name(device)
-            t = SHIPPED.get(name) or _nearest(device)
+        elif device.type == "cuda":
+            # get_device_properties: torch.compile folds it into a constant
+            props = torch.cuda.get_device_properties(device)
+            t = SHIPPED.get(props.name) or _nearest(props)
+        else:  # XPU, ...: not measured
+            t = DEFAULT
         _TABLES[device] = t
     return t
 
 
 def _key(device: torch.device | str) -> torch.device:
-    """``device`` as tensors name it (a CUDA device with its index)."""
+    """``device`` as tensors name it (a GPU with its index)."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cpu" and device.index is None:
+        return torch.device(device.type, getattr(torch, device.type).current_device())
     return device
 
 

@@ -411,6 +411,39 @@ def test_mlp_one_launch_cuda_graph(fused_geglu, device, monkeypatch):
     assert _scratch_is_zero(fused_geglu)
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")
+def test_mlp_one_launch_graph_beside_eager_calls_on_another_stream(fused_geglu, device):
+    """A captured one-launch op replayed on one stream while eager calls of it run on
+    another, interleaved: the graph's scratch and each stream's are their own, so every
+    result is its call's alone and the scratch is left zero."""
+    hidden, inter, dtype = 256, 1024, torch.bfloat16
+    ps = params(hidden, inter, dtype, device, True)
+    op = fused_geglu.library.geglu_mlp.op
+    x_graph, x_eager = (
+        torch.randn(t, hidden, dtype=dtype, device=device) for t in (1, 5)
+    )
+    with torch.no_grad():
+        expected_graph = op(x_graph, *ps, "tanh").clone()
+        expected_eager = op(x_eager, *ps, "tanh").clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = op(x_graph, *ps, "tanh")
+        replay_stream, eager_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        torch.cuda.synchronize()
+        eager_outs = []
+        for _ in range(20):
+            with torch.cuda.stream(replay_stream):
+                graph.replay()
+            with torch.cuda.stream(eager_stream):
+                eager_outs.append(op(x_eager, *ps, "tanh"))
+        torch.cuda.synchronize()
+    # fp32 sums in another order: at most one bf16 unit apart
+    torch.testing.assert_close(out, expected_graph, atol=0, rtol=2**-7)
+    for got in eager_outs:
+        torch.testing.assert_close(got, expected_eager, atol=0, rtol=2**-7)
+    assert _scratch_is_zero(fused_geglu)
+
+
 def test_layer_one_launch_after_weights_change_in_place(
     fused_geglu, device, monkeypatch
 ):

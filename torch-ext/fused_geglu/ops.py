@@ -144,7 +144,7 @@ def geglu_mlp_fp8(
     each projection's output is in x's dtype, its bias added in the epilogue. In eager
     calls of up to 16 tokens the whole MLP is one kernel; beyond, and in CUDA graphs, the
     dual GEMM quantizing h in its epilogue and the down GEMM, after x's quantization
-    beyond 16 tokens (up to 16 the dual GEMM quantizes x itself).
+    beyond 32 tokens (up to 32 the dual GEMM quantizes x itself).
     Not differentiable: an x that requires grad raises.
     """
     check_approximate("geglu_mlp_fp8", approximate)

@@ -29,7 +29,7 @@ plan (configuration, grid, split, launcher) is cached per exact call signature i
 bounded BoundedCache, so a repeated call costs a dict lookup and the launch.
 """
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -253,9 +253,9 @@ def _tma_descriptors(a, b, b_up, z, c, preacts, cfg: GemmConfig):
     return (a_desc, b_desc, z_desc, c_desc, *preacts), a_t, b_t, up_first
 
 
-@dataclass(frozen=True)
-class Epilogue:
-    """The fused work of one GEMM (see gemm_kernels.py for the flags)."""
+class Epilogue(NamedTuple):
+    """The fused work of one GEMM (see gemm_kernels.py for the flags); built by keyword. A
+    tuple: it keys the launch plans (hashed at C speed)."""
 
     activation: int = NO_ACT
     gated: bool = False
@@ -389,7 +389,7 @@ def _rows(t: torch.Tensor) -> tuple[int, int, tuple[int, int]]:
     return t.numel() // cols, cols, (cols, 1)
 
 
-def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
+def _gemm(a, b, c, epi: Epilogue, b_up=None, bias=None, bias_up=None, preact=None,
           preact_up=None, z=None, bias_grad=None, scales=(None,) * 4, clear=None,
           counters=None) -> None:  # fmt: skip
     """``a`` and ``c``: 2-D, or contiguous of any rank (seen as rows); ``scales``: FP8's
@@ -401,7 +401,7 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
     if M == 0 or N == 0:
         if bias_grad is not None:  # no output columns, but the row sums of A are owed
             if z is not None:
-                approximate = "tanh" if epi[3] == GELU_TANH else "none"
+                approximate = "tanh" if epi.dact == GELU_TANH else "none"
                 a = torch.ops.aten.gelu_backward(a, z, approximate=approximate)
             bias_grad.copy_(a.float().sum(1))
         return
@@ -422,7 +422,7 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
     plan = _PLANS.get(key)
     if plan is None:
         tma = K > 0 and tma_applies(M, dtype, device)
-        plan = _PLANS[key] = _Plan(M, N, K, dtype, device, Epilogue(*epi), tma, b_tma)
+        plan = _PLANS[key] = _Plan(M, N, K, dtype, device, epi, tma, b_tma)
     if plan.tma:
         a2 = a if a.dim() == 2 else a.view(M, K)
         c2 = c if c.dim() == 2 else c.view(M, N)
@@ -440,9 +440,7 @@ def _gemm(a, b, c, epi: tuple, b_up=None, bias=None, bias_up=None, preact=None,
         key = (*key, "portable")
         plan = _PLANS.get(key)
         if plan is None:
-            plan = _PLANS[key] = _Plan(
-                M, N, K, dtype, device, Epilogue(*epi), False, b_tma
-            )
+            plan = _PLANS[key] = _Plan(M, N, K, dtype, device, epi, False, b_tma)
     ws = None
     if plan.split == 1:  # no split-K: its kernel takes no counters (None at every call)
         counters = None
@@ -480,15 +478,10 @@ def gemm(
 ) -> None:
     """c = a @ b^T + bias, or c += a @ b^T with ``accumulate``; ``bias_grad`` receives the
     row sums of ``a`` (with a = dY^T: the bias gradient of a weight-gradient GEMM)."""
-    # Epilogue's fields: activation, gated, store_preact, dact, bias_grad, accumulate, has_bias
-    epi = (
-        NO_ACT,
-        False,
-        False,
-        NO_ACT,
-        bias_grad is not None,
-        accumulate,
-        bias is not None,
+    epi = Epilogue(
+        bias_grad=bias_grad is not None,
+        accumulate=accumulate,
+        has_bias=bias is not None,
     )
     _gemm(a, b, c, epi, bias=bias, bias_grad=bias_grad)
 
@@ -505,14 +498,10 @@ def gemm_act(
     """c = act(a @ b^T + bias); ``preact`` receives the rounded a @ b^T + bias."""
     if preact is not None:
         check_contiguous("gemm_act", preact=preact)
-    epi = (
-        activation,
-        False,
-        preact is not None,
-        NO_ACT,
-        False,
-        False,
-        bias is not None,
+    epi = Epilogue(
+        activation=activation,
+        store_preact=preact is not None,
+        has_bias=bias is not None,
     )
     _gemm(a, b, c, epi, bias=bias, preact=preact)
 
@@ -528,7 +517,7 @@ def gemm_dact(
 ) -> None:
     """c = round(a * act'(z)) @ b^T: the backward of a GEMM + activation, dZ formed in the
     prologue; ``bias_grad`` receives the row sums of round(a * act'(z))."""
-    epi = (NO_ACT, False, False, activation, bias_grad is not None, False, False)
+    epi = Epilogue(dact=activation, bias_grad=bias_grad is not None)
     _gemm(a, b, c, epi, z=z, bias_grad=bias_grad)
 
 
@@ -548,14 +537,11 @@ def gemm_gated(
     bias_up (each rounded); ``gate``/``up`` receive them (what backward needs)."""
     if gate is not None or up is not None:
         check_contiguous("gemm_gated", gate=gate, up=up)
-    epi = (
-        activation,
-        True,
-        gate is not None,
-        NO_ACT,
-        False,
-        False,
-        bias_gate is not None,
+    epi = Epilogue(
+        activation=activation,
+        gated=True,
+        store_preact=gate is not None,
+        has_bias=bias_gate is not None,
     )
     _gemm(
         a, b_gate, c, epi, b_up=b_up, bias=bias_gate, bias_up=bias_up, preact=gate,
@@ -642,7 +628,7 @@ def launch_gemm_fp8(a, a_scale, b, b_scale, c, *, bias=None, counters=None) -> N
     """gemm_fp8 without its checks, for operands already in the form it checks: the FP8
     MLP's (library), whose weights and scales were checked once per call of the op or
     when the layer's route was built, and whose quantized activations it allocates."""
-    epi = (NO_ACT, False, False, NO_ACT, False, False, bias is not None, True)
+    epi = Epilogue(has_bias=bias is not None, fp8=True)
     scales = (a_scale, b_scale, None, None)
     _gemm(a, b, c, epi, bias=bias, scales=scales, counters=counters)
 
@@ -688,9 +674,11 @@ def launch_gemm_gated_fp8(a, a_scale, b_gate, gate_scale, b_up, up_scale, h, h_s
                           activation: int, act_dtype: torch.dtype, *, bias_gate=None,
                           bias_up=None, clear=None) -> None:  # fmt: skip
     """gemm_gated_fp8 without its checks (launch_gemm_fp8's reason)."""
-    epi = (activation, True, False, NO_ACT, False, False, bias_gate is not None, True,
-           True, act_dtype == torch.bfloat16, a_scale is None,
-           0 if clear is None else clear.numel())  # fmt: skip
+    epi = Epilogue(
+        activation=activation, gated=True, has_bias=bias_gate is not None, fp8=True,
+        quant_out=True, act_bf16=act_dtype == torch.bfloat16, quant_a=a_scale is None,
+        clear=0 if clear is None else clear.numel(),
+    )  # fmt: skip
     _gemm(
         a, b_gate, h, epi, b_up=b_up, bias=bias_gate, bias_up=bias_up,
         scales=(a_scale, gate_scale, up_scale, h_scale), clear=clear,

@@ -1,6 +1,7 @@
 """Release the kernel to the Hub (``make upload``): build build/, check it, then bring the
 Hub's kernel repository up to date. The repository and its ``v<version>`` branch are
-created when missing; build/ and benchmarks/ go to that branch, README.md (the card)
+created when missing; build/ and the benchmarks ``kernels benchmark`` runs go to that
+branch, README.md (the card)
 and docs/ to ``main``; files whose content the Hub already has are skipped.
 
 ``--dry-run`` does everything but the network and prints the operations, planned against
@@ -164,26 +165,24 @@ def plan(
 # --- the local side ----------------------------------------------------------------------
 
 
+def benchmark_files() -> list[Path]:
+    """What ``kernels benchmark`` runs (benchmarks/benchmark*.py) and the helper module
+    they import; not the GPU comparison scripts or their results."""
+    here = ROOT / "benchmarks"
+    return sorted(here.glob("benchmark*.py")) + [here / "bench_lib.py"]
+
+
 def local_files(out: Path, variants: Sequence[Path], branch: str) -> list[BranchFiles]:
-    """build/ and benchmarks/ for ``branch`` (stale files there get deleted), the card for main."""
+    """build/ and the benchmark files for ``branch`` (stale files there get deleted), the
+    card for main."""
     files = [
         LocalFile.read(f"build/{path.relative_to(out).as_posix()}", path)
         for variant in variants
         for path in sorted(variant.rglob("*"))
         if path.is_file() and "__pycache__" not in path.parts
     ]
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
-        + ["--", "benchmarks"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
     files += [
-        LocalFile.read(path, ROOT / path)
-        for path in sorted(set(listed.split("\0")) - {""})
-        if (ROOT / path).is_file()
+        LocalFile.read(f"benchmarks/{path.name}", path) for path in benchmark_files()
     ]
     mirror = tuple(f"build/{variant.name}/" for variant in variants) + ("benchmarks/",)
     return [

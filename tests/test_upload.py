@@ -68,10 +68,13 @@ def test_local_files(targets):
     for backend in upload.GENERAL["backends"]:
         assert f"build/torch-{backend}/metadata.json" in paths
         assert f"build/torch-{backend}/__init__.py" in paths
-    assert "benchmarks/compare.py" in paths
-    assert not [
-        p for p in paths if "__pycache__" in p or p.startswith("benchmarks/out/")
-    ]
+    benchmarks = {p for p in paths if p.startswith("benchmarks/")}
+    runnable = {
+        f"benchmarks/{p.name}" for p in upload.ROOT.glob("benchmarks/benchmark*.py")
+    }
+    # what `kernels benchmark` runs and their helper: no results, logs or one-off scripts
+    assert runnable and benchmarks == runnable | {"benchmarks/bench_lib.py"}
+    assert not [p for p in paths if "__pycache__" in p]
     docs = sorted(f"docs/{p.name}" for p in (upload.ROOT / "docs").glob("*.md"))
     assert docs and [f.path for f in card.files] == ["README.md"] + docs
 

@@ -1,8 +1,8 @@
 """Release the kernel to the Hub (``make upload``): build build/, check it, then bring the
 Hub's kernel repository up to date. The repository and its ``v<version>`` branch are
 created when missing; build/ and the benchmarks ``kernels benchmark`` runs go to that
-branch, README.md (the card)
-and docs/ to ``main``; files whose content the Hub already has are skipped.
+branch, README.md (the card) and docs/ to ``main``; files whose content the Hub already
+has are skipped.
 
 ``--dry-run`` does everything but the network and prints the operations, planned against
 a repository that does not exist yet or against ``--remote-state FILE`` (JSON:

@@ -230,9 +230,10 @@ def _kernels_layer(module: nn.Module, forward) -> bool:
 
 def _as_defined(act_fn: nn.Module, approximate: str) -> bool:
     """Whether a GeLU module computes what its class defines: the class's own forward
-    (none patched on the class, none on the instance but a kernels Hub layer's) and, where it holds its function
-    (transformers' GELUActivation and GELUTanh: ``self.act``), one its class sets for
-    this approximation: F.gelu, or the class's own formula bound to it."""
+    (none patched on the class, none on the instance but a kernels Hub layer's) and,
+    where it holds its function (transformers' GELUActivation and GELUTanh:
+    ``self.act``), one its class sets for this approximation: F.gelu, or the class's own
+    formula bound to it."""
     cls = type(act_fn)
     forward = act_fn.__dict__.get("forward")
     if (forward is not None and not _kernels_layer(act_fn, forward)) or not (
@@ -438,21 +439,15 @@ def _plain_linear_operands(m: nn.Module) -> tuple | None:
 _PARAMETERS = ("weight", "bias", "weight_scale_inv")  # weight_scale_inv: FP8Linear's
 
 
-def _identity(value) -> weakref.ref | tuple:
-    """What ``_same`` compares ``value`` with later: a weak reference where ``value`` takes
-    one (a patched forward or function may hold the parent module, which a strong one
-    would keep alive; an id could be reused by its replacement), else ``(value,)``."""
+def _identity(value):
+    """What ``_unchanged`` compares ``value`` with later (``identity() is value``): a weak
+    reference where ``value`` takes one (a patched forward or function may hold the parent
+    module, which a strong one would keep alive; an id could be reused by its
+    replacement), else a function returning ``value`` (None, str, int: immutable)."""
     try:
         return weakref.ref(value)
-    except TypeError:  # None, str, int, ...: no weak references
-        return (value,)
-
-
-def _same(identity: weakref.ref | tuple, value) -> bool:
-    """Whether ``value`` is the object ``identity`` was made of."""
-    if type(identity) is tuple:
-        return identity[0] is value
-    return identity() is value
+    except TypeError:
+        return lambda: value
 
 
 def _watched(module: nn.Module, family: Family) -> tuple:
@@ -471,7 +466,7 @@ def _watched(module: nn.Module, family: Family) -> tuple:
     for name in family.children:
         m = mods.get(name)
         if m is None:
-            children.append((name, None, (), False, (None,), None, ()))
+            children.append((name, None, (), False, _identity(None), None, ()))
             continue
         params = m._parameters
         members = tuple((key, params.get(key)) for key in _PARAMETERS)
@@ -520,12 +515,12 @@ def _unchanged(module: nn.Module, watched: tuple) -> bool:
                 or m._backward_pre_hooks
             )
             is not hooked
-            or not _same(forward, state.get("forward"))
+            or forward() is not state.get("forward")
             or type(m).forward is not cls_forward
         ):
             return False
         for key, value in attrs:
-            if not _same(value, state.get(key)):
+            if value() is not state.get(key):
                 return False
     for t, pointer, shape, strides, grad in datas:
         if (

@@ -21,6 +21,7 @@ H100. The measurements behind each table: the files its ``source`` names.
 """
 
 import json
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -152,12 +153,6 @@ INTERPRETER = Tuning(
 )
 
 
-def _shared_prefix(a: str, b: str) -> int:
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
-    )
-
-
 def _nearest(props) -> Tuning:
     """The table for a GPU with none of its own (the module docstring's heuristic); ties
     in SM count (H100 and H200 both have 132) go to the longer shared name prefix (an
@@ -173,7 +168,7 @@ def _nearest(props) -> Tuning:
         measured,
         key=lambda t: (
             abs(t.sms - props.multi_processor_count),
-            -_shared_prefix(t.gpu, props.name),
+            -len(os.path.commonprefix([t.gpu, props.name])),
         ),
     )
 

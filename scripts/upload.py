@@ -1,8 +1,10 @@
 """Release the kernel to the Hub (``make upload``): build build/, check it, then bring the
 Hub's kernel repository up to date. The repository and its ``v<version>`` branch are
-created when missing; build/ and the benchmarks ``kernels benchmark`` runs go to that
-branch, README.md (the card) and docs/ to ``main``; files whose content the Hub already
-has are skipped.
+created when missing; build.toml's variants and the benchmarks ``kernels benchmark`` runs
+go to that branch; to ``main`` the card (CARD.md filled in, as README.md), docs/ and, where
+build.toml's ``source`` is the Hub repository, the source kernel-builder builds
+(build.toml, flake.nix, CARD.md, torch-ext/); files whose content the Hub already has are
+skipped.
 
 ``--dry-run`` does everything but the network and prints the operations, planned against
 a repository that does not exist yet or against ``--remote-state FILE`` (JSON:
@@ -30,16 +32,29 @@ from huggingface_hub.errors import RepositoryNotFoundError
 from huggingface_hub.hf_api import RepoFile
 from kernels import Metadata, get_local_kernel
 
-from build import ROOT, build, git_revision, hub_urls
+from build import (
+    LOCAL_BACKENDS,
+    ROOT,
+    build,
+    git_revision,
+    git_state,
+    hub_repo_url,
+    source_files,
+    source_url,
+)
 
-GENERAL = tomllib.loads((ROOT / "build.toml").read_text())["general"]
+CONFIG = tomllib.loads((ROOT / "build.toml").read_text())
+GENERAL = CONFIG["general"]
 PYTHON_NAME = GENERAL["name"].replace("-", "_")
 API_RECORD = ROOT / "api" / "public_api.json"
 MAIN = "main"
-# The card and the documents it links, on MAIN.
-CARD = ["README.md"] + sorted(
-    p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")
-)
+# The documents the card links, on MAIN beside it.
+DOCS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
+# What kernel-builder needs to build the kernel (build.toml's ``source`` must hold
+# build.toml and flake.nix), and the card's template; torch-ext/ comes with them.
+SOURCE = ["build.toml", "flake.nix", "CARD.md"]
+# The variants uploaded: build.toml's backends (build/ also holds LOCAL_BACKENDS').
+PUBLISHED = tuple(f"torch-{backend}" for backend in GENERAL["backends"])
 # huggingface_hub 2.x knows the "kernel" repository type (constants.REPO_TYPE_KERNEL) for
 # create_repo, create_branch, create_commit and the listings; kernels 0.17 resolves
 # versions and downloads builds with repo_type="kernel", so releases go there.
@@ -172,22 +187,55 @@ def benchmark_files() -> list[Path]:
     return sorted(here.glob("benchmark*.py")) + [here / "bench_lib.py"]
 
 
-def local_files(out: Path, variants: Sequence[Path], branch: str) -> list[BranchFiles]:
-    """build/ and the benchmark files for ``branch`` (stale files there get deleted), the
-    card for main."""
+def source_on_hub(repo_id: str) -> bool:
+    """Whether the builds name the Hub repository as their ``source``: then its main
+    branch must hold the source (``git clone`` of the repository checks out main)."""
+    return source_url(GENERAL, repo_id) == hub_repo_url(repo_id)
+
+
+def main_files(out: Path, repo_id: str) -> list[LocalFile]:
+    """The card (build/CARD.md, as README.md), the documents it links and, where the
+    Hub repository is the source, what kernel-builder builds from."""
+    files = [LocalFile.read("README.md", out / "CARD.md")]
+    files += [LocalFile.read(path, ROOT / path) for path in DOCS]
+    if source_on_hub(repo_id):
+        files += [LocalFile.read(path, ROOT / path) for path in SOURCE]
+        pyext = CONFIG.get("torch-noarch", {}).get("pyext", ["py"])
+        src = ROOT / "torch-ext" / PYTHON_NAME
+        files += [
+            LocalFile.read(path.relative_to(ROOT).as_posix(), path)
+            for path in source_files(src, pyext)
+        ]
+    return files
+
+
+def local_files(
+    out: Path,
+    variants: Sequence[Path],
+    branch: str,
+    repo_id: str = GENERAL["hub"]["repo-id"],
+) -> list[BranchFiles]:
+    """build.toml's variants and the benchmark files for ``branch``, main's files (see
+    main_files); stale files under the mirrored folders get deleted, a LOCAL_BACKENDS
+    variant's too."""
     files = [
         LocalFile.read(f"build/{path.relative_to(out).as_posix()}", path)
         for variant in variants
+        if variant.name in PUBLISHED
         for path in sorted(variant.rglob("*"))
         if path.is_file() and "__pycache__" not in path.parts
     ]
     files += [
         LocalFile.read(f"benchmarks/{path.name}", path) for path in benchmark_files()
     ]
-    mirror = tuple(f"build/{variant.name}/" for variant in variants) + ("benchmarks/",)
+    built = {variant.name for variant in variants}
+    mirror = tuple(
+        f"build/{name}/"
+        for name in sorted(built | {f"torch-{b}" for b in LOCAL_BACKENDS})
+    ) + ("benchmarks/",)
     return [
         BranchFiles(branch, tuple(files), mirror),
-        BranchFiles(MAIN, tuple(LocalFile.read(path, ROOT / path) for path in CARD)),
+        BranchFiles(MAIN, tuple(main_files(out, repo_id)), ("docs/", "torch-ext/")),
     ]
 
 
@@ -209,9 +257,10 @@ class CheckError(Exception):
 def absolute_package_imports(source: str) -> list[str]:
     """Imports of the package or its modules by absolute name (a build must import itself
     relatively: kernels loads each build under its own module name)."""
-    own = {PYTHON_NAME, "_ops"} | {
-        p.stem for p in (ROOT / "torch-ext" / PYTHON_NAME).glob("*.py")
-    }
+    src = ROOT / "torch-ext" / PYTHON_NAME
+    modules = {p.stem for p in src.glob("*.py")}
+    subpackages = {p.name for p in src.iterdir() if p.is_dir()} - {"__pycache__"}
+    own = {PYTHON_NAME, "_ops"} | modules | subpackages
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -233,13 +282,16 @@ def check(
     """Checks the build as users get it and returns the variants loaded through kernels;
     raises CheckError listing every problem."""
     problems = []
-    expected = {f"torch-{backend}" for backend in GENERAL["backends"]}
+    backends = list(GENERAL["backends"])
+    backends += [b for b in LOCAL_BACKENDS if b not in backends]
+    expected = {f"torch-{backend}" for backend in backends}
     if {v.name for v in variants} != expected:
         problems.append(f"variants {sorted(v.name for v in variants)} != {expected}")
+    state = git_state()
     for variant in variants:
         backend = variant.name.removeprefix("torch-")
         try:  # kernels requires every key build.py writes
-            Metadata.read_from_file(variant / "metadata.json")
+            metadata = Metadata.read_from_file(variant / "metadata.json")
         except ValueError as error:
             problems.append(
                 f"{variant.name}: kernels cannot read metadata.json: {error}"
@@ -249,18 +301,27 @@ def check(
         for key in ("name", "version", "license"):
             if raw.get(key) != GENERAL[key]:
                 problems.append(f"{variant.name}: metadata {key} {raw.get(key)!r}")
-        for key, url in hub_urls(repo_id, GENERAL["version"]).items():
+        wanted = {"upstream": GENERAL.get("upstream")}
+        wanted["source"] = source_url(GENERAL, repo_id)
+        for key, url in wanted.items():
             if raw.get(key) != url:
                 problems.append(f"{variant.name}: metadata {key} {raw.get(key)!r}")
         if raw.get("backend") != {"type": backend}:
             problems.append(f"{variant.name}: metadata backend {raw.get('backend')}")
         if raw.get("id") != f"_{PYTHON_NAME}_{backend}_{rev}":
             problems.append(f"{variant.name}: id {raw.get('id')!r} does not name {rev}")
-        for source in sorted(variant.glob("*.py")):
+        if problem := digest_problem(variant, metadata):
+            problems.append(f"{variant.name}: {problem}")
+        kernel = raw.get("provenance", {}).get("kernel")
+        if state is not None and kernel != dict(state._asdict()):
+            problems.append(f"{variant.name}: provenance {kernel} is not {state}")
+        for source in sorted(variant.rglob("*.py")):
             if found := absolute_package_imports(source.read_text()):
-                problems.append(
-                    f"{variant.name}/{source.name}: absolute import {found}"
-                )
+                name = source.relative_to(variant).as_posix()
+                problems.append(f"{variant.name}/{name}: absolute import {found}")
+    card = (out / "CARD.md").read_text() if (out / "CARD.md").exists() else ""
+    if f'get_kernel("{repo_id}"' not in card or "{{" in card or "{%" in card:
+        problems.append(f"CARD.md: not CARD.md filled in for {repo_id}")
     if problems:
         raise CheckError("\n".join(problems))
 
@@ -281,6 +342,24 @@ def check(
     if problems:
         raise CheckError("\n".join(problems))
     return loaded
+
+
+def digest_problem(variant: Path, metadata: Metadata) -> str | None:
+    """What kernels' verification of the variant's files against metadata.json's digest
+    finds (its loaders refuse such a variant), or None: kernels' own check, on every
+    variant, not only those this machine loads."""
+    # kernels' Rust core (kernels 0.19; imported here, so that importing this module
+    # needs no particular kernels release)
+    from kernels._rust import Digest, DigestValidationError
+
+    expected = metadata.digest
+    if expected is None:
+        return "metadata.json has no digest"
+    try:
+        expected.validate(Digest.hash_variant(expected.algorithm, variant))
+    except DigestValidationError as error:
+        return "digest: " + "; ".join(str(v) for v in error.violations)
+    return None
 
 
 # --- the public API record (tests/test_api_version.py) ----------------------------------
@@ -449,16 +528,21 @@ def main() -> None:
 
     branch = f"v{version}"
     print(f"{GENERAL['name']} version {version}, build {rev}")
-    print(f"-> {REPO_TYPE} repository {args.repo_id}, branch {branch} (card on {MAIN})")
+    published = [v for v in variants if v.name in PUBLISHED]
+    on_main = "card and source" if source_on_hub(args.repo_id) else "card"
     print(
-        f"checked {len(variants)} variants (metadata, build ids, relative imports); "
-        f"loaded {', '.join(loaded)} with kernels.get_local_kernel"
+        f"-> {REPO_TYPE} repository {args.repo_id}, branch {branch} ({on_main} on {MAIN})"
+    )
+    print(
+        f"checked {len(variants)} variants (metadata, digests, provenance, build ids, "
+        f"relative imports); loaded {', '.join(loaded)} with kernels.get_local_kernel; "
+        f"uploading {', '.join(v.name for v in published)}"
     )
     if status := git_status():
         print("DIRTY working tree: this upload is not a committed state:")
         print("\n".join(f"  {line}" for line in status))
 
-    targets = local_files(args.out, variants, branch)
+    targets = local_files(args.out, variants, branch, args.repo_id)
     if args.dry_run:
         if args.remote_state:
             state = json.loads(args.remote_state.read_text())

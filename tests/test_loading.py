@@ -26,6 +26,9 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MLP
 GENERAL = tomllib.loads((ROOT / "build.toml").read_text())["general"]
 REPO_ID = GENERAL["hub"]["repo-id"]
 SOURCES = ROOT / "torch-ext" / GENERAL["name"].replace("-", "_")
+# build/ holds build.toml's backends and the interpreter's CPU variant (scripts/build.py's
+# LOCAL_BACKENDS: built for tests and development, not uploaded)
+BACKENDS = GENERAL["backends"] + [b for b in ("cpu",) if b not in GENERAL["backends"]]
 
 
 def _raise_no_network(*args, **kwargs):
@@ -86,12 +89,14 @@ def check_geglu(module, device):
 
 
 def test_build_writes_one_variant_per_backend(built):
+    """A variant per backend, and the card (CARD.md filled in, as kernel-builder's Nix
+    build writes it beside the variants)."""
     assert sorted(p.name for p in built.iterdir()) == sorted(
-        f"torch-{b}" for b in GENERAL["backends"]
+        [f"torch-{b}" for b in BACKENDS] + ["CARD.md"]
     )
 
 
-@pytest.mark.parametrize("backend", GENERAL["backends"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_metadata_matches_build_toml(built, backend):
     path = built / f"torch-{backend}" / "metadata.json"
     assert json.loads(path.read_text())["python-depends"] == []
@@ -101,16 +106,21 @@ def test_metadata_matches_build_toml(built, backend):
     assert metadata.license == GENERAL["license"]
     assert str(metadata.backend.backend_type) == backend
     assert metadata.python_depends == [] and metadata.kernel_depends == []
-    repo = f"https://huggingface.co/kernels/{REPO_ID}"
-    assert metadata.upstream == repo
-    assert metadata.source == f"{repo}/tree/v{GENERAL['version']}"
+    # build.toml's: no upstream, the Hub repository as the source
+    assert metadata.upstream is None
+    assert (
+        metadata.source
+        == GENERAL["source"]
+        == f"https://huggingface.co/kernels/{REPO_ID}"
+    )
+    assert metadata.digest is not None and metadata.provenance is not None
     prefix = f"_{metadata.name.python_name}_{backend}_"
     assert metadata.id.startswith(prefix), metadata.id
     assert metadata.id.removeprefix(prefix).removesuffix("_dirty") == head_revision()
 
 
 def test_kernels_info_names_the_repository(built, tmp_path):
-    """`kernels info` on a checkout prints the Hub repository as Upstream and Source."""
+    """`kernels info` on a checkout prints no Upstream and the Hub repository as Source."""
     pytest.importorskip("sigstore", reason="kernels' CLI needs sigstore")
     (tmp_path / "build").symlink_to(built)
     result = subprocess.run(
@@ -122,12 +132,13 @@ def test_kernels_info_names_the_repository(built, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     repo = f"https://huggingface.co/kernels/{REPO_ID}"
-    assert f"Upstream: {repo}\n" in result.stdout
-    assert f"Source: {repo}/tree/v{GENERAL['version']}\n" in result.stdout
+    assert "Upstream: -\n" in result.stdout
+    assert f"Source: {repo}\n" in result.stdout
 
 
 def test_build_repo_id_override(tmp_path):
-    """`build.py --repo-id` (upload.py passes its --repo-id) names that repository."""
+    """`build.py --repo-id` (upload.py passes its --repo-id, and uploads the source
+    there) names that repository as the source."""
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "build.py"), "--out", str(tmp_path)]
         + ["--repo-id", "someone/other-geglu"],
@@ -135,29 +146,38 @@ def test_build_repo_id_override(tmp_path):
         capture_output=True,
     )
     metadata = kernels.Metadata.read_from_file(tmp_path / "torch-cpu" / "metadata.json")
-    assert metadata.upstream == "https://huggingface.co/kernels/someone/other-geglu"
+    assert metadata.source == "https://huggingface.co/kernels/someone/other-geglu"
+    assert 'get_kernel("someone/other-geglu"' in (tmp_path / "CARD.md").read_text()
 
 
 def test_ids_unique_per_backend(built):
     ids = {
         kernels.Metadata.read_from_file(variant / "metadata.json").id
-        for variant in built.iterdir()
+        for variant in built.glob("torch-*")
     }
-    assert len(ids) == len(GENERAL["backends"])
+    assert len(ids) == len(BACKENDS)
 
 
-@pytest.mark.parametrize("backend", GENERAL["backends"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_variant_is_sources_plus_ops(built, backend):
+    """The package's files (subpackages too) as they are, plus _ops.py and metadata.json."""
     variant = built / f"torch-{backend}"
     pyext = tomllib.loads((ROOT / "build.toml").read_text())["torch-noarch"]["pyext"]
-    sources = [s for e in pyext for s in SOURCES.glob(f"*.{e}") if s.name != "_ops.py"]
-    assert any(s.suffix == ".json" for s in sources), "the tuning tables ship"
-    assert {p.name for p in variant.iterdir()} == {s.name for s in sources} | {
-        "_ops.py",
-        "metadata.json",
+    sources = {
+        s.relative_to(SOURCES).as_posix(): s
+        for e in pyext
+        for s in SOURCES.rglob(f"*.{e}")
+        if s.name != "_ops.py" and "__pycache__" not in s.parts
     }
-    for source in sources:
-        assert (variant / source.name).read_bytes() == source.read_bytes()
+    assert any(s.endswith(".json") for s in sources), "the tuning tables ship"
+    files = {
+        p.relative_to(variant).as_posix()
+        for p in variant.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    assert files == set(sources) | {"_ops.py", "metadata.json"}
+    for name, source in sources.items():
+        assert (variant / name).read_bytes() == source.read_bytes()
     # _ops.py's namespace is the build id, so two builds can be loaded side by side.
     build_id = json.loads((variant / "metadata.json").read_text())["id"]
     spec = importlib.util.spec_from_file_location(

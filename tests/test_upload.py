@@ -1,9 +1,15 @@
 """scripts/upload.py without the network: the planned operations against fabricated remote
-states, the calls made to a recording stand-in for HfApi, and ``--dry-run`` end to end."""
+states, the calls made to a recording stand-in for HfApi, and ``--dry-run`` end to end;
+what the release holds by kernels' conventions: the card (CARD.md filled in), the source
+on main, and each variant's digest and provenance."""
 
+import base64
+import hashlib
 import json
+import re
 import shutil
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -61,13 +67,19 @@ def plan(targets, remote, dirty=False):
     return upload.plan(targets, remote, repo_id=REPO_ID, message=MESSAGE, dirty=dirty)
 
 
-def test_local_files(targets):
+def test_local_files(built, targets):
+    out, _ = built
     files, card = targets
     assert files.branch == BRANCH and card.branch == "main"
     paths = {f.path for f in files.files}
     for backend in upload.GENERAL["backends"]:
         assert f"build/torch-{backend}/metadata.json" in paths
         assert f"build/torch-{backend}/__init__.py" in paths
+    # The interpreter's variant is built for the checkout, never uploaded; one uploaded
+    # before is deleted.
+    assert "cpu" not in upload.GENERAL["backends"]
+    assert not [p for p in paths if p.startswith("build/torch-cpu/")]
+    assert "build/torch-cpu/" in files.mirror
     benchmarks = {p for p in paths if p.startswith("benchmarks/")}
     runnable = {
         f"benchmarks/{p.name}" for p in upload.ROOT.glob("benchmarks/benchmark*.py")
@@ -75,8 +87,38 @@ def test_local_files(targets):
     # what `kernels benchmark` runs and their helper: no results, logs or one-off scripts
     assert runnable and benchmarks == runnable | {"benchmarks/bench_lib.py"}
     assert not [p for p in paths if "__pycache__" in p]
+    # main: the card (build/CARD.md as README.md), its documents, and the source
+    # kernel-builder builds from (the builds name this repository as their source).
     docs = sorted(f"docs/{p.name}" for p in (upload.ROOT / "docs").glob("*.md"))
-    assert docs and [f.path for f in card.files] == ["README.md"] + docs
+    main = {f.path: f.source for f in card.files}
+    assert main["README.md"] == out / "CARD.md"
+    assert docs and set(docs) <= set(main)
+    for path in ("build.toml", "flake.nix", "CARD.md"):
+        assert main[path] == upload.ROOT / path
+    src = upload.ROOT / "torch-ext" / "fused_geglu"
+    sources = {
+        p.relative_to(upload.ROOT).as_posix()
+        for ext in ("py", "json")
+        for p in src.rglob(f"*.{ext}")
+        if "__pycache__" not in p.parts and p.name != "_ops.py"
+    }
+    assert sources and {p for p in main if p.startswith("torch-ext/")} == sources
+    assert (
+        set(main)
+        == {"README.md", "build.toml", "flake.nix", "CARD.md"} | set(docs) | sources
+    )
+    assert card.mirror == ("docs/", "torch-ext/")
+
+
+def test_source_elsewhere_is_not_uploaded(built, monkeypatch):
+    """A build.toml ``source`` outside the Hub repository: main gets the card only."""
+    out, variants = built
+    github = "https://github.com/someone/fused-geglu"
+    monkeypatch.setitem(upload.GENERAL, "source", github)
+    assert not upload.source_on_hub(REPO_ID)
+    _, card = upload.local_files(out, variants, BRANCH)
+    paths = [f.path for f in card.files]
+    assert paths[0] == "README.md" and all(p.startswith("docs/") for p in paths[1:])
 
 
 def test_fresh_repository(targets):
@@ -127,6 +169,7 @@ def test_changed_and_stale_files(targets):
     changed = files.files[0]
     remote.branches[BRANCH][changed.path] = "f" * 40
     remote.branches[BRANCH]["build/torch-cpu/removed.py"] = "e" * 40
+    remote.branches[BRANCH]["build/torch-cuda/removed.py"] = "e" * 40
     remote.branches[BRANCH]["benchmarks/old.py"] = "e" * 40
     # Outside the mirrored directories: kept (another tool's variant, the branch's card).
     remote.branches[BRANCH]["build/torch210-cxx11-cu128-x86_64-linux/x.py"] = "e" * 40
@@ -135,7 +178,11 @@ def test_changed_and_stale_files(targets):
     assert upload_op == upload.Upload(
         BRANCH,
         (changed,),
-        ("benchmarks/old.py", "build/torch-cpu/removed.py"),
+        (
+            "benchmarks/old.py",
+            "build/torch-cpu/removed.py",
+            "build/torch-cuda/removed.py",
+        ),
         MESSAGE,
     )
     assert skip.paths == tuple(f.path for f in files.files[1:])
@@ -266,6 +313,13 @@ def test_checks_catch_a_broken_build(built, tmp_path):
     del metadata["license"]
     (xpu / "metadata.json").write_text(json.dumps(metadata))
     (cpu / "extra.py").write_text("from fused_geglu.ops import geglu\nimport ops\n")
+    rocm = bad / "torch-rocm"
+    (rocm / "ops.py").write_text((rocm / "ops.py").read_text() + "# changed\n")
+    metadata = json.loads((rocm / "metadata.json").read_text())
+    metadata["provenance"]["kernel"]["commit"] = "0" * 40
+    metadata["source"] = "https://huggingface.co/kernels/org/fused-geglu/tree/v1"
+    (rocm / "metadata.json").write_text(json.dumps(metadata))
+    (bad / "CARD.md").write_text((upload.ROOT / "CARD.md").read_text())
     rev = json.loads((out / "torch-cpu" / "metadata.json").read_text())["id"]
     rev = rev.removeprefix("_fused_geglu_cpu_")
     with pytest.raises(upload.CheckError) as error:
@@ -276,6 +330,11 @@ def test_checks_catch_a_broken_build(built, tmp_path):
     assert "torch-cpu: metadata version 2" in message
     assert f"torch-cpu: id '_fused_geglu_cpu_0000000' does not name {rev}" in message
     assert "torch-cpu/extra.py: absolute import ['fused_geglu.ops', 'ops']" in message
+    assert "torch-cpu: digest: Unknown file: extra.py" in message
+    assert "torch-rocm: digest: File hash mismatch for ops.py" in message
+    assert "torch-rocm: provenance {'commit': '0000" in message
+    assert "torch-rocm: metadata source 'https://huggingface.co/kernels/" in message
+    assert "CARD.md: not CARD.md filled in for org/fused-geglu" in message
     assert "torch-cuda" not in message
 
 
@@ -310,8 +369,12 @@ def test_dry_run(tmp_path):
         line for line in lines if line.startswith(f"  upload {len(files.files)}")
     ]
     assert v_line.startswith(f"  upload {len(files.files)} file(s) to {BRANCH}: ")
-    assert "      + build/torch-cpu/metadata.json" in lines
-    assert "      + README.md" in lines
+    assert "      + build/torch-cuda/metadata.json" in lines
+    assert not [line for line in lines if "build/torch-cpu/" in line]
+    # main: the card, and the source kernel-builder builds (build.toml's `source`)
+    for path in ("README.md", "build.toml", "flake.nix", "CARD.md"):
+        assert f"      + {path}" in lines
+    assert "      + torch-ext/fused_geglu/__init__.py" in lines
     assert (
         "DIRTY working tree: this upload is not a committed state:" in lines
     ) == dirty
@@ -331,3 +394,116 @@ def test_dry_run_against_an_unchanged_remote(tmp_path, targets):
     assert "create" not in stdout and "+ " not in stdout
     assert f"  skip {len(targets[0].files)} unchanged file(s) on {BRANCH}" in stdout
     assert "nothing to upload: the Hub holds every file" in stdout
+
+
+# --- the release's metadata and card, by kernels' conventions ---------------------------
+
+
+def sha256_files(variant):
+    """The digest kernels records (kernel-builder's `hash`), recomputed here: base64
+    sha256 of every file by its path in the variant, but metadata.json and bytecode."""
+    return {
+        path.relative_to(variant).as_posix(): base64.b64encode(
+            hashlib.sha256(path.read_bytes()).digest()
+        ).decode()
+        for path in variant.rglob("*")
+        if path.is_file()
+        and path.relative_to(variant).as_posix() != "metadata.json"
+        and "__pycache__" not in path.parts
+    }
+
+
+def test_digests_cover_every_file(built):
+    _, variants = built
+    for variant in variants:
+        metadata = json.loads((variant / "metadata.json").read_text())
+        assert metadata["digest"]["algorithm"] == "sha256"
+        files = sha256_files(variant)
+        assert "_ops.py" in files and "tuning_NVIDIA_H200.json" in files
+        assert metadata["digest"]["files"] == files, variant.name
+        # kernels' own check, as its loaders run it
+        parsed = upload.Metadata.read_from_file(variant / "metadata.json")
+        assert upload.digest_problem(variant, parsed) is None
+
+
+def test_kernels_refuses_a_changed_file(built, tmp_path):
+    """get_local_kernel verifies the files it loads against the digest: a changed file,
+    or one the build did not have, and the variant does not load."""
+    from kernels import get_local_kernel
+
+    out, _ = built
+    for change in ("edit", "add"):
+        checkout = tmp_path / change
+        shutil.copytree(out, checkout / "build")
+        cpu = checkout / "build" / "torch-cpu"
+        if change == "edit":
+            (cpu / "ops.py").write_text((cpu / "ops.py").read_text() + "# changed\n")
+            expected = "File hash mismatch for ops.py"
+        else:
+            (cpu / "extra.py").write_text("")
+            expected = "Unknown file: extra.py"
+        with pytest.raises(RuntimeError, match="do not match the digest") as error:
+            get_local_kernel(checkout, backend="cpu")
+        assert expected in str(error.value)
+
+
+def test_provenance_names_the_commit(built):
+    _, variants = built
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"],
+        cwd=upload.ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    for variant in variants:
+        metadata = json.loads((variant / "metadata.json").read_text())
+        provenance = metadata["provenance"]
+        # kernels requires a kernel-builder entry; it names the builder that ran
+        assert provenance["kernel-builder"] == {"version": "scripts/build.py"}
+        assert provenance["kernel"]["commit"] == head
+        # the id's `_dirty` and the provenance's flag say the same
+        assert provenance["kernel"]["dirty"] == metadata["id"].endswith("_dirty")
+        parsed = upload.Metadata.read_from_file(variant / "metadata.json")
+        assert str(parsed.provenance.kernel.commit) == head
+
+
+def test_source_and_upstream(built):
+    """`source`: a repository `git clone` takes, holding build.toml and flake.nix (the
+    Hub repository, main branch: test_local_files); no `upstream`, the kernel is not a
+    copy of another repository's."""
+    _, variants = built
+    source = f"https://huggingface.co/kernels/{REPO_ID}"
+    assert upload.GENERAL["source"] == source and "upstream" not in upload.GENERAL
+    for variant in variants:
+        metadata = json.loads((variant / "metadata.json").read_text())
+        assert metadata["source"] == source and "upstream" not in metadata
+        assert "/tree/" not in metadata["source"]
+
+
+def test_card(built, targets):
+    """build/CARD.md: CARD.md filled in as kernel-builder's fill-card fills it."""
+    out, _ = built
+    card = (out / "CARD.md").read_text()
+    assert card.startswith("---\nlibrary_name: kernels\nlicense: apache-2.0\n")
+    assert "{{" not in card and "{%" not in card
+    assert f'get_kernel("{REPO_ID}", version=1, trust_remote_code=trust)' in card
+    init = (upload.ROOT / "torch-ext" / "fused_geglu" / "__init__.py").read_text()
+    (names,) = re.findall(r"__all__ = \[(.*?)\]", init, re.DOTALL)
+    functions = [n for n in re.findall(r'"(\w+)"', names) if n != "layers"]
+    section = card.split("## Available functions\n\n")[1].split("\n\n")[0]
+    assert section.splitlines() == [f"- `{name}`" for name in functions]
+    layers = card.split("## Available layers\n\n")[1].split("\n\n")[0]
+    assert "- `GeGLUMLP`" in layers.splitlines()
+    backends = " and ".join(
+        ", ".join(f"`{b}`" for b in upload.GENERAL["backends"]).rsplit(", ", 1)
+    )
+    assert f"Backends {backends} " in card
+    assert f"git clone https://huggingface.co/kernels/{REPO_ID}\n" in card
+    assert f"kernels benchmark {REPO_ID} --version 1" in card
+    # relative links resolve on main, where the card sits beside what it links
+    _, main = targets
+    on_main = {f.path for f in main.files}
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", card):
+        if not re.match(r"\w+://", target):
+            assert target in on_main, target

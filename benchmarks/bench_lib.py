@@ -195,7 +195,7 @@ def interleaved(fns: dict, measure: Callable, rounds: int) -> dict[str, list]:
     turn, every other round in reverse order: the host's drift, the first-timed penalty
     and the GPU's state after the previous function (its clocks after a heavy one) reach
     all alike (timed one after the other, the first MLP training step read up to 0.23 ms
-    slow; benchmarks/NOTES.md)."""
+    slow; docs/decisions/0013-benchmark-method.md)."""
     times = {name: [] for name in fns}
     order = list(fns.items())
     for r in range(rounds):
@@ -276,7 +276,7 @@ def kernel_counts(events, gpu: bool) -> Counter:
 def launched(fn, trace: Path | None = None) -> Counter:
     """The kernels (without a GPU: outermost ops) one call of ``fn`` runs, by name; a
     Chrome trace to ``trace``. Profile after timing: once a profiler session has run,
-    every later kernel in the process runs slower (benchmarks/NOTES.md, session 5)."""
+    every later kernel in the process runs slower (docs/decisions/0013-benchmark-method.md)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()

@@ -27,7 +27,7 @@ import torch
 
 # Per replay: do_bench's L2 flush and the graph's launch cost a few us, spread over the
 # calls. With 10 calls per replay the 19 us GEMMs read 3-5% slower than the report's
-# (benchmarks/NOTES.md); about 1 ms of calls per replay should make that under 1%.
+# (docs/decisions/0013-benchmark-method.md); about 1 ms of calls per replay should make that under 1%.
 REPLAY_MS = 1.0
 MAX_REPLAY_CALLS = 200
 MIN_TOLERANCE = 0.05

@@ -2,8 +2,8 @@
 Triton's ``JITFunction.run`` (``kernel[grid](...)``) and its pieces (the argument binder,
 the cache key), and the compiled kernel's launcher called directly (``ck.run``), for the
 portable kernel at 1 token and the TMA kernel at 2048 tokens (GPU only; prints µs per
-call: bench_lib.host_us, interleaved rounds of 20-call loops; the runs committed before
-it used one 200-call loop each). Outputs: benchmarks/results/*-launch-overhead-*.txt.
+call: bench_lib.host_us, interleaved rounds of 20-call loops; the runs of 2026-11-29
+used one 200-call loop each: docs/decisions/0011-direct-launch-host-path.md).
 
 Usage: python benchmarks/launch_overhead.py (after `make build`)
 """

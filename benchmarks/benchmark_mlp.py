@@ -1,6 +1,6 @@
 """`kernels benchmark .` workloads for the GeGLU MLP `down(gelu(gate(x)) * up(x))`: the
 layer path (`layers.GeGLUMLP.forward` on transformers' GemmaMLP, what kernelize swaps in)
-and `geglu_mlp` (both take the route of route.py: in 16-bit inference on Hopper, the dual
+and `geglu_mlp` (both take the route of policy.py: in 16-bit inference on Hopper, the dual
 GEMM and the down GEMM).
 
 Each verify_ returns the eager MLP's result (transformers' GemmaMLP computation), which the
@@ -56,7 +56,7 @@ class MLPWorkloads(Workloads):
 
 class GeGLUMLPLayerBenchmark(MLPWorkloads, Benchmark):
     """layers.GeGLUMLP.forward on transformers' GemmaMLP, as kernelize runs it (the
-    route of route.py)."""
+    route of policy.py)."""
 
     def run(self):
         self.out = self.kernel.layers.GeGLUMLP.forward(self.mlp, self.x)

@@ -104,7 +104,7 @@ def linear(ours, ceil, later):
             for name, fn in lib.linear_peers(ours, lin).items()
         }
         row = {"M": m, "N": n, "K": k}
-        # 7 rounds: ours is cuBLAS's F.linear here (route.linear), a tie within 2-3%
+        # 7 rounds: ours is cuBLAS's F.linear here (policy.linear), a tie within 2-3%
         # per round
         for name, (ms, rounds) in lib.interleaved_ms(steps, rounds=7).items():
             row[name] = {"ms": ms, "rounds_ms": rounds}

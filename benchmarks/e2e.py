@@ -128,7 +128,9 @@ class two_kernel_route:
         layer_forward = next(
             m.forward for m in model.modules() if hasattr(m, "gate_proj")
         )
-        self.route = layer_forward.__func__.__globals__["mlp_output"].__globals__
+        package = layer_forward.__func__.__module__.rpartition(".")[0]
+        self.policy = vars(sys.modules[f"{package}.policy"])
+        self.launch = sys.modules[f"{package}.launch"]
 
     def __call__(self, *args, **kwargs):
         return self._off(self.model, *args, **kwargs)
@@ -137,11 +139,12 @@ class two_kernel_route:
         return self._off(self.model.generate, *args, **kwargs)
 
     def _off(self, fn, *args, **kwargs):
-        limit, self.route["MLP_MAX_TOKENS"] = self.route["MLP_MAX_TOKENS"], 0
+        limit = self.policy["ONE_LAUNCH_MAX_TOKENS"]
+        self.policy["ONE_LAUNCH_MAX_TOKENS"] = 0
         try:
             return fn(*args, **kwargs)
         finally:
-            self.route["MLP_MAX_TOKENS"] = limit
+            self.policy["ONE_LAUNCH_MAX_TOKENS"] = limit
 
 
 class launches_skipped(two_kernel_route):
@@ -150,7 +153,7 @@ class launches_skipped(two_kernel_route):
 
     def __init__(self, model):
         super().__init__(model)
-        self.launcher = self.route["MLPLaunch"].__call__.__globals__["Launcher"]
+        self.launcher = self.launch.Launcher
 
     def _off(self, fn, *args, **kwargs):
         run, self.launcher._run = self.launcher._run, lambda *_: True

@@ -187,7 +187,7 @@ def tiny_gemma_agreement(ours) -> dict:
 def tune(ours, fp8_mlp) -> list:
     """FP8 GEMM tiles at 8192 tokens: (block_m, warps, stages) for the dual GEMM (BLOCK_N
     128, the scale block) and the down GEMM (block_n)."""
-    gemm, rows = ours.gemm, []
+    gemm, one_launch, rows = ours.fp8.gemm, ours.one_launch, []
     real = gemm.fp8_config
     x = torch.randn(8192, HIDDEN, dtype=torch.bfloat16, device="cuda")
     layer = ours.layers.GeGLUMLP
@@ -219,26 +219,26 @@ def tune(ours, fp8_mlp) -> list:
             gemm.fp8_config = real
             gemm._PLANS.clear()
         print(rows[-1], file=sys.stderr)
-    real_mlp = gemm.mlp_config
+    real_mlp = one_launch.one_launch_config
     for tokens in (1, 16):
         x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
         for warps in (4, 8):
             for stages in (2, 3, 4):
-                gemm.mlp_config = (
+                one_launch.one_launch_config = (
                     lambda *a, _o={"num_warps": warps, "num_stages": stages}: {
                         **real_mlp(*a),
                         **_o,
                     }
                 )
-                gemm._MLP_PLANS.clear()
+                one_launch._PLANS.clear()
                 try:
                     with torch.no_grad():
                         ms = bench_lib.bench_ms(lambda: layer.forward(fp8_mlp, x), True)
                     rows.append({"decode_tokens": tokens, "warps": warps, "stages": stages,
                                  "mlp_ms": ms})  # fmt: skip
                 finally:
-                    gemm.mlp_config = real_mlp
-                    gemm._MLP_PLANS.clear()
+                    one_launch.one_launch_config = real_mlp
+                    one_launch._PLANS.clear()
                 print(rows[-1], file=sys.stderr)
     return rows
 
@@ -287,7 +287,7 @@ def main() -> None:
         with torch.no_grad():
             for call in calls.values():
                 call()  # compile / autotune outside the timing
-                if graph:  # and what the capture runs (NOTES.md: a cold capture failed)
+                if graph:  # and what the capture runs (cold: decisions/0003)
                     deterministic(lambda _, call=call: call())(None)
             times = bench_lib.interleaved(
                 calls, lambda fn: bench_lib.bench_ms(fn, graph), args.rounds
@@ -307,7 +307,7 @@ def main() -> None:
     kernels = {"fp8_ours_kernels": deterministic(fp8_fns["fp8_ours"])}
     result["errors_vs_float64"] = {}
     for t in (16, 256, 2048, 8192):  # from 2048 the all-cuBLAS route (where it applies)
-        paths = fp8_fns | (kernels if t <= ours.gemm.MLP_MAX_TOKENS else {})
+        paths = fp8_fns | (kernels if t <= ours.tuning.ONE_LAUNCH_MAX_TOKENS else {})
         result["errors_vs_float64"][str(t)] = errors(paths, fp8, weights, scales, t)
     if args.peer is not None:
         result["tiny_gemma"] = tiny_gemma_agreement(ours)

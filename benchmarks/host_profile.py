@@ -72,14 +72,16 @@ def kernel_modules(mlp, *names: str) -> tuple:
 def breakdown(mlp, x) -> dict:
     """Host µs of the pieces of one kernelized MLP call at 1 token (``mlp``: a kernelized
     GemmaMLP, its route prepared), beside eager's single ops for scale."""
-    layers, route_module, gemm = kernel_modules(mlp, "layers", "route", "gemm")
-    route_of, family = route_module.module_route, layers.GEMMA_MLP
+    layers, module_route, one_launch = kernel_modules(
+        mlp, "layers", "module_route", "one_launch"
+    )
+    route_of, family = module_route.module_route, layers.GEMMA_MLP
     route = route_of(mlp, family)
     launch = route.mlp_launch
     grid, launcher = launch.plans[1]
     out = torch.empty_like(x)
-    sums, arrivals = gemm.stream_scratch(
-        gemm._MLP_SCRATCH, x.device, out.numel(), 1, True, capturing=False
+    sums, arrivals = one_launch.stream_scratch(
+        one_launch._SCRATCH, x.device, out.numel(), 1, True, capturing=False
     )
     H, I, N = launch.sizes
     args = (x, *launch.operands, out, sums, arrivals, 1, H, I, N, H, 1, *launch.strides)
@@ -92,7 +94,7 @@ def breakdown(mlp, x) -> dict:
         "layer call": lambda: mlp(x),
         "layer forward (no Module.__call__)": lambda: mlp.forward(x),
         "module_route": lambda: route_of(mlp, family),
-        "mlp_output": lambda: route_module.mlp_output(route, x),
+        "mlp_output": lambda: layers.mlp_output(route, x),
         "prepared launch": lambda: launch(x),
         "Launcher call (tensors)": lambda: launcher(grid, *args),
         "Launcher.launch_aligned (addresses)": lambda: launcher.launch_aligned(
@@ -112,7 +114,7 @@ def pieces_in_generate(model, ids, gen: dict) -> dict:
     """Host µs per call of the pieces of the kernelized MLP call inside greedy
     ``generate()`` (medians; each piece timed by a wrapper, which adds its own cost)."""
     mlp = model.model.layers[0].mlp
-    layers, gemm, launch = kernel_modules(mlp, "layers", "gemm", "launch")
+    layers, one_launch, launch = kernel_modules(mlp, "layers", "one_launch", "launch")
     spent: dict[str, list] = {}
 
     def timed(name, fn):
@@ -129,9 +131,9 @@ def pieces_in_generate(model, ids, gen: dict) -> dict:
     patched = [
         (layers, "module_route"),
         (layers, "mlp_output"),
-        (gemm.MLPLaunch, "__call__"),
-        (gemm, "stream_scratch"),
-        (gemm, "current_device_and_stream"),
+        (one_launch.OneLaunchMLP, "__call__"),
+        (one_launch, "stream_scratch"),
+        (one_launch, "current_device_and_stream"),
         (launch.Launcher, "launch_aligned"),
         (torch, "empty_like"),
     ]
@@ -210,7 +212,7 @@ def main(argv=None) -> int:
         for kernel in (
             ours_kernel.gemm_kernels.gemm_kernel,
             ours_kernel.gemm_kernels.gemm_tma_kernel,
-            ours_kernel.gemm_kernels.geglu_mlp_kernel,
+            ours_kernel.gemm_kernels.one_launch_mlp_kernel,
         ):
             kernel.run = lambda *a, _run=kernel.run, **k: (
                 slow.append(1) or _run(*a, **k)

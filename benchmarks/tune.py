@@ -121,7 +121,7 @@ def decode_mlp(ours, table) -> tuple[dict, dict]:
         result[str(tokens)] = row = timed(
             ours,
             f"one-launch MLP, {tokens} tokens",
-            lambda: gm.geglu_mlp_small(x, wg, wu, wd, out, gm.GELU_TANH),
+            lambda: ours.one_launch.one_launch_mlp(x, wg, wu, wd, out, gm.GELU_TANH),
             candidates,
             graph=True,
         )

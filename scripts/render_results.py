@@ -454,7 +454,7 @@ E2E_MODELS = {
     "ours_two_kernels": "fused-geglu, two kernels at decode",
     "free_mlp": "MLPs of zero cost (the ceiling)",
 }
-# gemm.mlp_config's choice, as tune.py's decode sweep names it.
+# gemm.one_launch_config's choice, as tune.py's decode sweep names it.
 DECODE_CONFIG = "(128, 128, 256, 8, 3)"
 E2E_TASKS = {
     "prefill": "prefill, ms",

@@ -222,7 +222,7 @@ def check_tp_styles(device: torch.device) -> None:
         for param in ("weight", "bias"):
             style.shard_param(linear, param, mesh)
         style.install_forward(linear, mesh)
-        shards = fused_geglu.route._tp_colwise_shards(linear)
+        shards = fused_geglu.module_route._tp_colwise_shards(linear)
         assert (shards is not None) == (name == "colwise"), name
         if shards is not None:
             with torch.no_grad():

@@ -577,4 +577,6 @@ def test_route_fingerprint_is_a_compile_time_constant(fused_geglu):
     """route._reproduces carries the mark torch.compiler.assume_constant_result sets."""
     marked = torch.compiler.assume_constant_result(lambda: None)
     marks = {k for k in vars(marked) if k.startswith("_dynamo")}
-    assert marks and all(getattr(fused_geglu.route._reproduces, k) for k in marks)
+    assert marks and all(
+        getattr(fused_geglu.reproduction._reproduces, k) for k in marks
+    )

@@ -67,7 +67,7 @@ def check_mlp(out, x, weights, scales, biases, approximate, fused_geglu, what=""
     inter = wg.shape[0]
     x_q = torch.empty(m, hidden, dtype=FP8, device=x.device)
     x_s = torch.empty(-(-hidden // 128), m, device=x.device)
-    f.gemm.quantize_fp8(x, x_q, x_s)
+    f.fp8.gemm.quantize_fp8(x, x_q, x_s)
     if h_pair is None:
         h_q = torch.empty(m, inter, dtype=FP8, device=x.device)
         h_s = torch.empty(-(-inter // 128), m, device=x.device)
@@ -75,7 +75,7 @@ def check_mlp(out, x, weights, scales, biases, approximate, fused_geglu, what=""
         # h as the paths under test form it: x quantized in the dual GEMM up to
         # FP8_QUANT_A_ROWS rows (the one launch's products are those), apart beyond
         a, a_s = (x, None) if m <= f.tuning.FP8_QUANT_A_ROWS else (x_q, x_s)
-        f.gemm.gemm_gated_fp8(
+        f.fp8.gemm.gemm_gated_fp8(
             a, a_s, wg, sg, wu, su, h_q, h_s, act, x.dtype, bias_gate=bg, bias_up=bu
         )
     else:
@@ -150,7 +150,7 @@ def test_e4m3_rounding_of_every_value(fused_geglu, device):
     x = rows.to(device)
     q = torch.empty(x.shape, dtype=FP8, device=device)
     s = torch.empty(1, x.shape[0], device=device)
-    fused_geglu.gemm.quantize_fp8(x, q, s)
+    fused_geglu.fp8.gemm.quantize_fp8(x, q, s)
     assert torch.equal(s.cpu(), torch.ones_like(s.cpu()))
     expected = rows.to(FP8).float()
     got = q.float().cpu()
@@ -171,7 +171,7 @@ def test_quantize_rows_is_transformers_scheme(fused_geglu, device, dtype):
     x = x.to(dtype).to(device)
     q = torch.full(x.shape, float("nan"), device=device).to(FP8)
     s = torch.full((3, 37), float("nan"), device=device)
-    fused_geglu.gemm.quantize_fp8(x, q, s)
+    fused_geglu.fp8.gemm.quantize_fp8(x, q, s)
     ref_q, ref_s = fp8_quantize_rows(x.cpu())
     if HAS_GPU:
         torch.testing.assert_close(s.cpu(), ref_s.T, rtol=2e-7, atol=0)
@@ -194,7 +194,7 @@ def test_dual_gemm_quantizes_a_16_bit_x_as_quantize_fp8(
     product is Hopper's e4m3 MMA (about 13 bits of running sum), the other one in f16
     with fp32 sums: h within one e4m3 step plus what the MMA's error in gate and up
     moves it. Past FP8_QUANT_A_ROWS rows a 16-bit x is refused."""
-    f, inter = fused_geglu.gemm, 384
+    f, inter = fused_geglu.fp8.gemm, 384
     (wg, wu, _), (sg, su, _), (bg, bu, _) = fp8_params(hidden, inter, 256, device, True)
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
     x_q = torch.empty(tokens, hidden, dtype=FP8, device=device)
@@ -270,15 +270,15 @@ def test_geglu_mlp_fp8(fused_geglu, device, monkeypatch, tokens, shape, dtype, b
     tma = tokens > 64 and h % 16 == 0 and i % 16 == 0  # TMA: rows of 16-byte multiples
     quantized_apart = tokens > fused_geglu.tuning.FP8_QUANT_A_ROWS
     kernels = ["quantize_fp8_kernel"] * quantized_apart
-    kernels.append("gemm_tma_kernel" if tma else "gemm_kernel")
+    kernels.append("gemm_fp8_tma_kernel" if tma else "gemm_fp8_kernel")
     # the down GEMM: swapped products (the portable kernel) up to 64 tokens, and up to
     # the table's fp8_swap_rows where the TMA kernel's tiles are fewer than the programs (one per SM;
     # 4 in the interpreter: 130 tokens take the TMA kernel there); none of these shapes
     # reaches cuBLAS (its K, 320 or 384, is not a multiple of 512)
     swapped = fused_geglu.tuning.fp8_swap_ab(tokens, n, False, False, x.device)
-    kernels.append("gemm_tma_kernel" if tma and not swapped else "gemm_kernel")
-    one_launch = tokens <= fused_geglu.tuning.MLP_MAX_TOKENS
-    assert launched == (["geglu_mlp_kernel"] if one_launch else kernels)
+    kernels.append("gemm_fp8_tma_kernel" if tma and not swapped else "gemm_fp8_kernel")
+    one_launch = tokens <= fused_geglu.tuning.ONE_LAUNCH_MAX_TOKENS
+    assert launched == (["one_launch_mlp_fp8_kernel"] if one_launch else kernels)
     check_mlp(out, x, weights, scales, biases, approximate, fused_geglu)  # fmt: skip
     if one_launch:
         launched.clear()
@@ -291,7 +291,10 @@ def test_geglu_mlp_fp8(fused_geglu, device, monkeypatch, tokens, shape, dtype, b
                 )  # fmt: skip
             finally:
                 torch.use_deterministic_algorithms(False)
-        assert launched == ["gemm_kernel", "gemm_kernel"]  # x quantized in the first
+        assert launched == [
+            "gemm_fp8_kernel",
+            "gemm_fp8_kernel",
+        ]  # x quantized in the first
         check_mlp(kernels_out, x, weights, scales, biases,
                   approximate, fused_geglu, "two kernels")  # fmt: skip
 
@@ -300,8 +303,8 @@ def _cublas_stand_in(fused_geglu, monkeypatch, calls):
     """On the CPU, cuBLAS's block-scaled GEMM replaced by its definition (float64 products
     of the dequantized operands, rounded to the output dtype), checking the operands it is
     handed as cuBLAS would; on the GPU, the real one, its operands recorded."""
-    gemm = fused_geglu.gemm
-    real = fused_geglu.library.gemm_fp8_cublas
+    gemm = fused_geglu.fp8.gemm
+    real = fused_geglu.fp8.mlp.gemm_fp8_cublas
 
     def stand_in(a, a_scale, b, b_scale, dtype):
         rows, k = a.shape
@@ -313,7 +316,7 @@ def _cublas_stand_in(fused_geglu, monkeypatch, calls):
         a64 = a.double() * a_scale.double().T.repeat_interleave(128, 1)[:, :k]
         return (a64 @ fp8_dequantize_weight(b, b_scale).T).to(dtype)
 
-    monkeypatch.setattr(fused_geglu.library, "gemm_fp8_cublas", stand_in)
+    monkeypatch.setattr(fused_geglu.fp8.mlp, "gemm_fp8_cublas", stand_in)
     if not HAS_GPU:
         monkeypatch.setattr(gemm, "has_cublas_fp8_blocks", lambda device: True)
 
@@ -339,7 +342,7 @@ def test_down_gemm_by_cublas(
     if not HAS_GPU:  # the interpreter's dual GEMM at 2048 rows would take minutes
         table_fields(fp8_cublas_min_rows=128)
     tokens = fused_geglu.tuning.table(weights[2].device).fp8_cublas_min_rows - 1 + past
-    assert fused_geglu.gemm.fp8_cublas_applies(
+    assert fused_geglu.fp8.gemm.fp8_cublas_applies(
         tokens, weights[2], scales[2], None, dtype
     )
     x = torch.randn(tokens, h, dtype=dtype, device=device)
@@ -348,7 +351,7 @@ def test_down_gemm_by_cublas(
         x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2]
     )
     assert calls == [-(-tokens // 4) * 4]
-    assert launched == ["quantize_fp8_kernel", "gemm_tma_kernel"]
+    assert launched == ["quantize_fp8_kernel", "gemm_fp8_tma_kernel"]
     assert out.shape == (tokens, n) and out.is_contiguous()
     check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu)
     if HAS_GPU:  # the whole forward: x's quantization, the dual GEMM, cuBLAS's GEMM
@@ -402,13 +405,13 @@ def test_mlp_by_cublas(
     tokens = min_rows - 1 + past
     x = torch.randn(tokens, 512, dtype=dtype, device=device)
     quantized = []  # h and its scales, as the route hands them to the down product
-    quantize = fused_geglu.library.quantize_fp8
+    quantize = fused_geglu.fp8.mlp.quantize_fp8
 
     def spy(x, q, s, **kwargs):
         quantize(x, q, s, **kwargs)
         quantized.append((q.clone(), s.clone()))
 
-    monkeypatch.setattr(fused_geglu.library, "quantize_fp8", spy)
+    monkeypatch.setattr(fused_geglu.fp8.mlp, "quantize_fp8", spy)
     launched = spy_launches(fused_geglu, monkeypatch)
     mlp = lambda: fused_geglu.geglu_mlp_fp8(
         x.view(1, tokens, 512) if rank == 3 else x, weights[0], scales[0], weights[1],
@@ -456,7 +459,7 @@ def test_mlp_by_cublas_down_only_with_gate_and_up_biases(
         b_gate=biases[0], b_up=biases[1],
     )  # fmt: skip
     assert calls == [min_rows]
-    assert launched == ["quantize_fp8_kernel", "gemm_tma_kernel"]
+    assert launched == ["quantize_fp8_kernel", "gemm_fp8_tma_kernel"]
     check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu)
 
 
@@ -468,7 +471,7 @@ def test_quantize_fp8_of_geglu(fused_geglu, device, approximate, dtype):
     scales into the leading columns of a wider buffer (the rows cuBLAS pads); an up of
     other strides or dtype, up without a GeLU or a GeLU without up, scales not
     [blocks, rows] with unit column stride and a non-contiguous q are refused."""
-    gemm = fused_geglu.gemm
+    gemm = fused_geglu.fp8.gemm
     m, k = 37, 300
     gate, up = (torch.randn(m, k, dtype=dtype, device=device) * 4 for _ in range(2))
     act = gemm.GELU_TANH if approximate == "tanh" else gemm.GELU
@@ -500,7 +503,7 @@ def test_fp8_cublas_applies(fused_geglu, device, monkeypatch):
     """cuBLAS takes the FP8 down GEMM only where it reproduces ours: from
     FP8_CUBLAS_MIN_ROWS rows, no bias, a 16-bit output, N a multiple of 128, K of 512,
     row-major weights, contiguous weight scales."""
-    gemm = fused_geglu.gemm
+    gemm = fused_geglu.fp8.gemm
     monkeypatch.setattr(gemm, "has_cublas_fp8_blocks", lambda device: True)
     w = torch.zeros(256, 1024, dtype=FP8, device=device)
     s = torch.ones(2, 8, device=device)
@@ -527,7 +530,7 @@ def test_dual_gemm_writes_padded_h_scales(fused_geglu, device, m):
     """h's scales into the leading columns of a wider buffer (the rows cuBLAS pads) equal
     those of a buffer of M columns; a column stride other than 1 is refused."""
     weights, scales, _ = fp8_params(256, 256, 128, device, False)
-    gemm = fused_geglu.gemm
+    gemm = fused_geglu.fp8.gemm
     x = torch.randn(m, 256, dtype=torch.bfloat16, device=device)
     x_q = torch.empty(m, 256, dtype=FP8, device=device)
     x_s = torch.empty(2, m, device=device)
@@ -558,7 +561,7 @@ def test_fp8_gemms_refuse_scales_they_would_misread(fused_geglu, device):
     other strides are refused by name; the same scales made contiguous give the result of
     x's own buffer."""
     weights, scales, _ = fp8_params(256, 256, 128, device, False)
-    gemm = fused_geglu.gemm
+    gemm = fused_geglu.fp8.gemm
     m = 40
     x = torch.randn(m, 256, dtype=torch.bfloat16, device=device)
     x_q = torch.empty(m, 256, dtype=FP8, device=device)
@@ -696,17 +699,21 @@ def test_layer_runs_fp8_projections(fused_geglu, device, monkeypatch, tokens):
     launched = spy_launches(fused_geglu, monkeypatch)
     with torch.no_grad():
         out = layer.forward(mlp, x)
-    one_launch = tokens <= fused_geglu.tuning.MLP_MAX_TOKENS
-    assert launched[0] == ("geglu_mlp_kernel" if one_launch else "quantize_fp8_kernel")
+    one_launch = tokens <= fused_geglu.tuning.ONE_LAUNCH_MAX_TOKENS
+    assert launched[0] == (
+        "one_launch_mlp_fp8_kernel" if one_launch else "quantize_fp8_kernel"
+    )
     check_mlp(out, x, weights, scales, [None] * 3, "tanh", fused_geglu)  # fmt: skip
 
-    route = fused_geglu.route
-    r = route.module_route(mlp, family)
+    r = fused_geglu.module_route.module_route(mlp, family)
     assert r.fp8 is not None
-    assert route.mlp_output(r, x.clone().requires_grad_()) is None
+    assert fused_geglu.layers.mlp_output(r, x.clone().requires_grad_()) is None
     for block, scheme in (((64, 64), "dynamic"), ((128, 128), "static")):
         other, _, _ = _fp8_gemma_mlp(device, block=block, scheme=scheme)
-        assert route.module_route(other, family).fp8 is None, (block, scheme)
+        assert fused_geglu.module_route.module_route(other, family).fp8 is None, (
+            block,
+            scheme,
+        )
 
 
 def test_layer_follows_fp8_scales_swapped(fused_geglu, device):
@@ -748,12 +755,12 @@ def test_down_gemm_per_output_dtype(fused_geglu, device):
     ).to(device).T
     for dtype in (torch.bfloat16, torch.float16, torch.bfloat16):
         out = torch.full((16, 128), float("nan"), dtype=dtype, device=device)
-        fused_geglu.gemm.gemm_fp8(q, s, weights[2], scales[2], out)
+        fused_geglu.fp8.gemm.gemm_fp8(q, s, weights[2], scales[2], out)
         eager = ref.to(dtype)
         floor = E4M3_MMA_ACCURACY * ref.abs().max().item() * 16
         assert_close_to_ref(out, ref, eager, floor=floor, what=str(dtype))
     # (the interpreter compiles nothing: there the plans keyed per output dtype show it)
-    plans = [k for k in fused_geglu.gemm._PLANS if k[:3] == (16, 128, 256)]
+    plans = [k for k in fused_geglu.fp8.gemm._PLANS if k[:3] == (16, 128, 256)]
     assert {k[4] for k in plans} >= {torch.bfloat16, torch.float16}
 
 
@@ -781,7 +788,9 @@ def test_modernbert_over_fp8_projections(fused_geglu, device):
         return mlp.to(device), params
 
     mlp, ((wi, si), (wo, so)) = mlp_of(256)
-    route = fused_geglu.route.module_route(mlp, fused_geglu.layers.MODERNBERT_MLP)
+    route = fused_geglu.module_route.module_route(
+        mlp, fused_geglu.layers.MODERNBERT_MLP
+    )
     assert route.fp8 is not None
     x = torch.randn(20, 128, dtype=torch.bfloat16, device=device)
     with torch.no_grad():
@@ -792,7 +801,9 @@ def test_modernbert_over_fp8_projections(fused_geglu, device):
     check_mlp(out, x, weights, scales, [None] * 3, "none", fused_geglu)
     odd, _ = mlp_of(192)
     assert (
-        fused_geglu.route.module_route(odd, fused_geglu.layers.MODERNBERT_MLP).fp8
+        fused_geglu.module_route.module_route(
+            odd, fused_geglu.layers.MODERNBERT_MLP
+        ).fp8
         is None
     )
 
@@ -819,35 +830,34 @@ def test_layer_leaves_trainable_fp8_biases_to_the_module(fused_geglu, device):
     x needs none: with grad enabled the route leaves such a module to its own forward;
     under no_grad it runs the FP8 kernels."""
     mlp, _, _ = _fp8_gemma_mlp(device, bias=True)
-    route = fused_geglu.route
-    r = route.module_route(mlp, fused_geglu.layers.GEMMA_MLP)
+    r = fused_geglu.module_route.module_route(mlp, fused_geglu.layers.GEMMA_MLP)
     x = torch.randn(3, 256, dtype=torch.bfloat16, device=device)
-    assert route.mlp_output(r, x) is None
+    assert fused_geglu.layers.mlp_output(r, x) is None
     with torch.no_grad():
-        assert route.mlp_output(r, x) is not None
+        assert fused_geglu.layers.mlp_output(r, x) is not None
 
 
 def test_one_launch_fp8_limits(fused_geglu, device):
-    """The FP8 one-launch kernel takes up to MLP_MAX_TOKENS rows, every row within the
+    """The FP8 one-launch kernel takes up to ONE_LAUNCH_MAX_TOKENS rows, every row within the
     rule of float64 (launches of 2 to 16 rows in turn; on the H200 rows past the first
-    read zeros before the fix of benchmarks/NOTES.md), and refuses more rather than
+    read zeros before the fix of docs/decisions/0003-one-launch-decode-mlp.md), and refuses more rather than
     compute them."""
-    most = fused_geglu.tuning.MLP_MAX_TOKENS
+    most = fused_geglu.tuning.ONE_LAUNCH_MAX_TOKENS
     weights, scales, biases = fp8_params(256, 384, 256, device, True)
     for rows in range(2, most + 1) if HAS_GPU else (2, most):
         x = torch.randn(rows, 256, dtype=torch.bfloat16, device=device)
         out = torch.full((rows, 256), float("nan"), dtype=torch.bfloat16, device=device)
-        fused_geglu.gemm.geglu_mlp_small(
+        fused_geglu.one_launch.one_launch_mlp(
             x, *weights, out, fused_geglu.gemm.GELU_TANH, bias_gate=biases[0],
             bias_up=biases[1], bias_down=biases[2], scales=scales,
         )  # fmt: skip
         check_mlp(out, x, weights, scales, biases, "tanh", fused_geglu, f"{rows} rows")
-    scratch = fused_geglu.gemm._MLP_SCRATCH.values()
+    scratch = fused_geglu.one_launch._SCRATCH.values()
     assert all(not s.any() and not a.any() for s, a in scratch)  # left zero
     x = torch.randn(most + 1, 256, dtype=torch.bfloat16, device=device)
     out = torch.empty(most + 1, 256, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match=f"at most {most} rows"):
-        fused_geglu.gemm.geglu_mlp_small(
+        fused_geglu.one_launch.one_launch_mlp(
             x, *weights, out, fused_geglu.gemm.GELU_TANH, scales=scales
         )
 
@@ -857,7 +867,7 @@ def test_dual_gemm_clears_the_down_gemms_counters(fused_geglu, device):
     gemm_fp8's split-K over them sums as over its own (equal), leaving them zero: in a CUDA
     graph the down GEMM's counters need no memset node. Counters of the wrong kind are
     refused."""
-    gemm = fused_geglu.gemm
+    gemm = fused_geglu.fp8.gemm
     (w_gate, w_up, w_down), scales, _ = fp8_params(256, 1024, 256, device, False)
     x = torch.randn(1, 256, dtype=torch.bfloat16, device=device)
     outputs = []
@@ -897,7 +907,7 @@ def test_split_k_slices_take_their_k_blocks_scales(fused_geglu, device):
     slices of 5, 5, 5 and 3) whose loops load each block's scales a step ahead: within
     rounding of float64 where A's and the weight's scales change by up to 2^8 from one
     K block to the next (a block scaled by a neighbour's scale would be off by as much)."""
-    gemm = fused_geglu.gemm
+    gemm = fused_geglu.fp8.gemm
     m, n, k = 3, 64, 17 * 128 + 40
     magnitudes = torch.exp2(torch.randint(-4, 5, (2, 18)).float())  # x's, w's per block
     columns = magnitudes.repeat_interleave(128, 1)[:, :k]
@@ -924,7 +934,7 @@ def test_decode_gemms_read_weights_through_tma(fused_geglu, device, monkeypatch)
     descriptors (B_TMA), other weights through pointers: the same h and output at 16
     tokens (both swapped, one order of sums), both within the float64 rule at 40 (there
     the dual GEMM's products swap with TMA)."""
-    gemm = fused_geglu.gemm
+    gemm = fused_geglu.fp8.gemm
     weights, scales, biases = fp8_params(256, 384, 256, device, True)
     w = weights[0]
     assert gemm.fp8_weights_through_tma(64, w, weights[1])
@@ -968,7 +978,7 @@ def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, l
     block scales: the MLP within the float64 rule at 16 and 32 tokens, h's scales set by
     its own columns, and on the GPU equal to two descriptors' (the same products and
     scalings); at 40 tokens two descriptors."""
-    gemm = fused_geglu.gemm
+    gemm = fused_geglu.fp8.gemm
     # I = 320: the last 128-row tile's box reaches past each weight's rows (zeros there,
     # not the other weight's first rows where both lie in one buffer)
     weights, scales, biases = fp8_params(256, 320, 256, device, True)
@@ -979,7 +989,7 @@ def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, l
         wg, wu = (lo, hi) if layout == "gate first" else (hi, lo)
         assert (wg.data_ptr() < wu.data_ptr()) == (layout == "gate first")
     weights = (wg, wu, wd)
-    real = gemm._stacked_weights
+    real = gemm.stacked_weights
     for tokens in (16, 32, 40):
         x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
         outputs = []
@@ -987,7 +997,7 @@ def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, l
             stacks = stacked and tokens <= fused_geglu.tuning.FP8_QUANT_A_ROWS
             monkeypatch.setattr(
                 gemm,
-                "_stacked_weights",
+                "stacked_weights",
                 lambda *a, on=stacked: real(*a) if on else None,
             )
             gemm._PLANS.clear()
@@ -1027,14 +1037,14 @@ def test_decode_dual_gemm_stacks_its_weights(fused_geglu, device, monkeypatch, l
 def test_stacked_dual_gemm_over_split_k(fused_geglu, device, monkeypatch):
     """The stacked dual GEMM split over K (one output tile, 9 K blocks, the last ragged):
     the same h and scales as through two descriptors, each slice's scales its own."""
-    gemm = fused_geglu.gemm
+    gemm = fused_geglu.fp8.gemm
     (wg, wu, _), (sg, su, _), _ = fp8_params(1040, 128, 128, device, False)
     x = torch.randn(16, 1040, dtype=torch.bfloat16, device=device)
-    real = gemm._stacked_weights
+    real = gemm.stacked_weights
     results = []
     for stacked in (True, False):
         monkeypatch.setattr(
-            gemm, "_stacked_weights", lambda *a, on=stacked: real(*a) if on else None
+            gemm, "stacked_weights", lambda *a, on=stacked: real(*a) if on else None
         )
         gemm._PLANS.clear()
         h = torch.empty(16, 128, dtype=FP8, device=device)
@@ -1057,7 +1067,7 @@ def test_counters_unused_without_split_k(fused_geglu, device, monkeypatch):
     every down GEMM it captures on the portable kernels) reach its kernel as None, as
     without them: one launcher sees None at the same positions in every call (a capture
     that handed them, then an eager call that did not, failed on the H200)."""
-    gemm = fused_geglu.gemm
+    gemm = fused_geglu.fp8.gemm
     (_, _, w_down), scales, _ = fp8_params(128, 128, 256, device, False)
     a = torch.empty(16, 128, dtype=FP8, device=device)
     a_scale = torch.empty(1, 16, dtype=torch.float32, device=device)
@@ -1086,12 +1096,12 @@ def test_fp8_mlp_in_cuda_graph(fused_geglu, device, monkeypatch):
     GEMM's in e4m3: not equal)."""
     weights, scales, biases = fp8_params(256, 1024, 256, device, True)
     launched = spy_launches(fused_geglu, monkeypatch)
-    for tokens in (1, fused_geglu.tuning.MLP_MAX_TOKENS):
+    for tokens in (1, fused_geglu.tuning.ONE_LAUNCH_MAX_TOKENS):
         x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
         args = (x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2])
         with torch.no_grad():
             one_launch = fused_geglu.geglu_mlp_fp8(*args, *biases).clone()
-            assert launched == ["geglu_mlp_kernel"], tokens
+            assert launched == ["one_launch_mlp_fp8_kernel"], tokens
             check_mlp(one_launch, x, weights, scales, biases, "tanh", fused_geglu)
             torch.use_deterministic_algorithms(True)
             try:  # the two kernels eagerly (compiled before the capture)
@@ -1102,8 +1112,10 @@ def test_fp8_mlp_in_cuda_graph(fused_geglu, device, monkeypatch):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = fused_geglu.geglu_mlp_fp8(*args, *biases)
-        assert launched == ["gemm_kernel", "gemm_kernel"], tokens
-        assert any(p.split > 1 for p in fused_geglu.gemm._PLANS.values())  # the down's
+        assert launched == ["gemm_fp8_kernel", "gemm_fp8_kernel"], tokens
+        assert any(
+            p.split > 1 for p in fused_geglu.fp8.gemm._PLANS.values()
+        )  # the down's
         launched.clear()
         for _ in range(3):
             out.zero_()
@@ -1120,7 +1132,7 @@ def test_fp8_mlp_in_cuda_graph(fused_geglu, device, monkeypatch):
             for e in p.events()
             if e.device_type == torch.autograd.DeviceType.CUDA
         ]
-        assert gpu == ["gemm_kernel", "gemm_kernel"], (tokens, gpu)
+        assert gpu == ["gemm_fp8_kernel", "gemm_fp8_kernel"], (tokens, gpu)
 
 
 # A fresh process: no kernel of the capture path has run before the warm-up.
@@ -1177,7 +1189,7 @@ def test_cold_capture_after_eager_warm_up(kind, tokens):
     eager calls take the one launch while the capture takes the two kernels (their first
     launch, inside the capture): the replay gives the eager result (FP8: the captured
     kernels' eager result, equal). A cold FP8 capture at 16 tokens failed on the H200
-    (benchmarks/NOTES.md)."""
+    (docs/decisions/0003-one-launch-decode-mlp.md)."""
     code = _COLD_CAPTURE.format(
         tests=str(ROOT / "tests"), tree=str(ROOT / "build" / "torch-cuda"),
         tokens=tokens, kind=kind,

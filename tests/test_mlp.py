@@ -194,7 +194,7 @@ def test_small_training_calls_run_eager_ops(fused_geglu, device, monkeypatch, ca
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
-# --- The whole MLP in one launch (inference, at most MLP_MAX_TOKENS tokens) -------------
+# --- The whole MLP in one launch (inference, at most ONE_LAUNCH_MAX_TOKENS tokens) -------------
 
 ONE_LAUNCH_DTYPES = [torch.float16] + ([torch.bfloat16] if HAS_GPU else [])
 
@@ -202,7 +202,7 @@ ONE_LAUNCH_DTYPES = [torch.float16] + ([torch.bfloat16] if HAS_GPU else [])
 def _scratch_is_zero(fused_geglu) -> bool:
     """The one-launch kernel leaves its fp32 sums and arrival count zero."""
     return all(
-        not s.any() and not a.any() for s, a in fused_geglu.gemm._MLP_SCRATCH.values()
+        not s.any() and not a.any() for s, a in fused_geglu.one_launch._SCRATCH.values()
     )
 
 
@@ -219,10 +219,10 @@ def test_mlp_in_one_launch(fused_geglu, device, monkeypatch, tokens, dtype, bias
     x = torch.randn(tokens, hidden, dtype=dtype, device=device)
     ps = params(hidden, inter, dtype, device, bias)
     launched = spy_launches(fused_geglu, monkeypatch)
-    empty = fused_geglu.library._empty
+    empty = fused_geglu.library.empty
     monkeypatch.setattr(
         fused_geglu.library,
-        "_empty",
+        "empty",
         lambda like, *shape, dtype=None: empty(like, *shape, dtype=dtype).fill_(
             float("nan")
         ),
@@ -230,7 +230,7 @@ def test_mlp_in_one_launch(fused_geglu, device, monkeypatch, tokens, dtype, bias
     with torch.no_grad():
         out = fused_geglu.geglu_mlp(x, *ps, approximate=approximate)
         again = fused_geglu.geglu_mlp(x, *ps, approximate=approximate)
-    assert launched == ["geglu_mlp_kernel"] * 2
+    assert launched == ["one_launch_mlp_kernel"] * 2
     assert _scratch_is_zero(fused_geglu)
     ref = eager_geglu_mlp(*cast([x, *ps], torch.float64), approximate=approximate)
     eager = eager_geglu_mlp(x, *ps, approximate=approximate)
@@ -244,7 +244,7 @@ def test_mlp_in_one_launch_every_row(fused_geglu, device, dtype):
     """Many launches of 2 to 16 rows in a row, over several programs and output tiles (the
     last one partial): every row of every output within the rule of float64. On the H200
     the last program's plain loads of the sums read zeros for some elements of rows past
-    the first (most launches had some: benchmarks/NOTES.md); the interpreter runs
+    the first (most launches had some: docs/decisions/0003-one-launch-decode-mlp.md); the interpreter runs
     programs in turn and cannot race."""
     hidden, inter = 640, 1024
     wg, wu, wd, bg, bu, bd = params(hidden, inter, dtype, device, True)
@@ -253,7 +253,7 @@ def test_mlp_in_one_launch_every_row(fused_geglu, device, dtype):
         rows = int(torch.randint(2, 17, (), generator=generator))
         x = torch.randn(rows, hidden, dtype=dtype, device=device)
         out = torch.full((rows, hidden), float("nan"), dtype=dtype, device=device)
-        fused_geglu.gemm.geglu_mlp_small(
+        fused_geglu.one_launch.one_launch_mlp(
             x, wg, wu, wd, out, fused_geglu.gemm.GELU_TANH, bias_gate=bg, bias_up=bu,
             bias_down=bd,
         )  # fmt: skip
@@ -278,13 +278,13 @@ def test_mlp_in_one_launch_other_output_width(fused_geglu, device, monkeypatch):
     buffer = torch.full((3 * out_width + 64,), float("nan"), dtype=dtype, device=device)
     out = buffer[: 3 * out_width].view(3, out_width)
     launched = spy_launches(fused_geglu, monkeypatch)
-    fused_geglu.gemm.geglu_mlp_small(
+    fused_geglu.one_launch.one_launch_mlp(
         x, wg, wu, wd, out, fused_geglu.gemm.GELU_TANH, bias_gate=bg, bias_up=bu,
         bias_down=bd,
     )  # fmt: skip
     with torch.no_grad():
         routed = fused_geglu.geglu_mlp(x, wg, wu, wd, bg, bu, bd)
-    assert launched == ["geglu_mlp_kernel"] * 2
+    assert launched == ["one_launch_mlp_kernel"] * 2
     assert buffer[3 * out_width :].isnan().all()
     ref = eager_geglu_mlp(*cast([x, wg, wu, wd, bg, bu, bd], torch.float64))
     eager = eager_geglu_mlp(x, wg, wu, wd, bg, bu, bd)
@@ -342,19 +342,21 @@ def test_mlp_one_launch_limits(fused_geglu, device, monkeypatch):
         assert launched == ["gemm_kernel"]
         launched.clear()
         fused_geglu.geglu_mlp(x, *ps)
-    assert launched == ["geglu_mlp_kernel"]
+    assert launched == ["one_launch_mlp_kernel"]
     launched.clear()
     fused_geglu.geglu_mlp(x, *(p.requires_grad_() for p in ps))
-    assert "geglu_mlp_kernel" not in launched
+    assert "one_launch_mlp_kernel" not in launched
     # No intermediate columns: the output is the down projection's bias.
     out = torch.full((3, hidden), float("nan"), dtype=dtype, device=device)
     empty = torch.empty(0, hidden, dtype=dtype, device=device)
     down = torch.empty(hidden, 0, dtype=dtype, device=device)
-    fused_geglu.gemm.geglu_mlp_small(x, empty, empty, down, out, 1, bias_down=ps[5])
+    fused_geglu.one_launch.one_launch_mlp(
+        x, empty, empty, down, out, 1, bias_down=ps[5]
+    )
     assert torch.equal(out, ps[5].expand_as(out))
     with pytest.raises(ValueError, match="at most 16 rows"):
         out = torch.empty(17, hidden, dtype=dtype, device=device)
-        fused_geglu.gemm.geglu_mlp_small(
+        fused_geglu.one_launch.one_launch_mlp(
             torch.randn(17, hidden, dtype=dtype, device=device), *ps[:3], out, 1
         )
 
@@ -365,7 +367,7 @@ def test_mlp_one_launch_op_compiles(fused_geglu, device):
     hidden, inter, dtype = 48, 80, torch.float16
     x = torch.randn(1, 2, hidden, dtype=dtype, device=device)
     ps = params(hidden, inter, dtype, device, True)
-    op = fused_geglu.library.geglu_mlp.op
+    op = fused_geglu.library.one_launch_mlp.op
     torch._dynamo.reset()
     with torch.no_grad():
         torch.library.opcheck(
@@ -390,16 +392,16 @@ def test_mlp_one_launch_cuda_graph(fused_geglu, device, monkeypatch):
     launched = spy_launches(fused_geglu, monkeypatch)
     with torch.no_grad():
         expected = fused_geglu.geglu_mlp(x, *ps)
-        assert launched == ["geglu_mlp_kernel"]
+        assert launched == ["one_launch_mlp_kernel"]
         launched.clear()
-        fused_geglu.library.geglu_mlp.op(x, *ps, "tanh")  # compiled before capture
+        fused_geglu.library.one_launch_mlp.op(x, *ps, "tanh")  # compiled before capture
         fused_geglu.geglu_linear(x, *ps[:2], *ps[3:5])
         launched.clear()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             routed = fused_geglu.geglu_mlp(x, *ps)
-            out = fused_geglu.library.geglu_mlp.op(x, *ps, "tanh")
-        assert launched == ["gemm_kernel", "geglu_mlp_kernel"]
+            out = fused_geglu.library.one_launch_mlp.op(x, *ps, "tanh")
+        assert launched == ["gemm_kernel", "one_launch_mlp_kernel"]
         for _ in range(3):
             out.zero_()
             routed.zero_()
@@ -418,7 +420,7 @@ def test_mlp_one_launch_graph_beside_eager_calls_on_another_stream(fused_geglu, 
     result is its call's alone and the scratch is left zero."""
     hidden, inter, dtype = 256, 1024, torch.bfloat16
     ps = params(hidden, inter, dtype, device, True)
-    op = fused_geglu.library.geglu_mlp.op
+    op = fused_geglu.library.one_launch_mlp.op
     x_graph, x_eager = (
         torch.randn(t, hidden, dtype=dtype, device=device) for t in (1, 5)
     )
@@ -468,7 +470,7 @@ def test_layer_one_launch_after_weights_change_in_place(
             ref = copy.deepcopy(mlp).double()(x.double())
             floor = reference.accumulation_floor(ref, mlp.gate_proj.out_features)
             assert_close_to_ref(out, ref, mlp(x), floor=floor, what=what)
-        assert launched == ["geglu_mlp_kernel"], what
+        assert launched == ["one_launch_mlp_kernel"], what
         launched.clear()
 
     check(torch.randn(2, 64, dtype=dtype, device=device), "before")
@@ -489,7 +491,7 @@ def test_layer_one_launch_after_weights_change_in_place(
     for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
         proj.bias.data = torch.randn_like(proj.bias) * 4
     check(torch.randn(2, 64, dtype=dtype, device=device), "biases swapped in place")
-    route = fused_geglu.route.module_route(mlp, fused_geglu.layers.GEMMA_MLP)
+    route = fused_geglu.module_route.module_route(mlp, fused_geglu.layers.GEMMA_MLP)
     launch = route.mlp_launch
     biases = [p.bias for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     assert launch.addresses[3:6] == tuple(b.data_ptr() for b in biases)
@@ -529,7 +531,10 @@ def test_layer_route_follows_later_changes(fused_geglu, device):
         mlp = GemmaMLP(config).to(device, dtype)
         with torch.no_grad():
             layer.forward(mlp, x)
-            assert fused_geglu.route.module_route(mlp, GEMMA_MLP).mlp_launch is not None
+            assert (
+                fused_geglu.module_route.module_route(mlp, GEMMA_MLP).mlp_launch
+                is not None
+            )
             change(mlp)
             seen.clear()
             got = layer.forward(mlp, x)
@@ -568,7 +573,7 @@ def test_layers_one_launch(fused_geglu, device, monkeypatch):
             assert_close_to_ref(
                 out, ref, module(x), floor=reference.accumulation_floor(ref, 96)
             )
-        assert launched == ["geglu_mlp_kernel"], type(module).__name__
+        assert launched == ["one_launch_mlp_kernel"], type(module).__name__
         launched.clear()
     t5.train()
     with torch.no_grad():
@@ -576,5 +581,5 @@ def test_layers_one_launch(fused_geglu, device, monkeypatch):
         out = fused_geglu.layers.T5GeGLUDense.forward(t5, x)
         torch.manual_seed(0)  # the same dropout mask
         ref = t5(x)
-    assert "geglu_mlp_kernel" not in launched
+    assert "one_launch_mlp_kernel" not in launched
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)

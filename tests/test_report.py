@@ -126,7 +126,7 @@ def test_report_json(report_dir):
 
 def test_report_times_before_profiling(tmp_path, monkeypatch):
     """Every row is timed before the profiler runs: a process that has profiled runs later
-    kernels slower (benchmarks/NOTES.md, session 5)."""
+    kernels slower (docs/decisions/0013-benchmark-method.md)."""
     calls = []
     for name, tag in (("device_ms", "time"), ("launched", "profile")):
         original = getattr(lib, name)
@@ -318,7 +318,7 @@ def fake_event(name, device_type, annotation=False, parent=None):
 
 def test_kernel_counts_drop_annotations():
     """GPU kernels only: no CPU events and no GPU-side ranges of record_function
-    annotations (counted as kernels once; benchmarks/NOTES.md, session 4)."""
+    annotations (counted as kernels once; git show 5e74ca8:benchmarks/NOTES.md, session 4)."""
     from torch.autograd import DeviceType
 
     cpu, cuda = DeviceType.CPU, DeviceType.CUDA

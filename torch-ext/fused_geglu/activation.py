@@ -168,7 +168,7 @@ def geglu_fwd_kernel(
     offs_o, _ = _tile_offsets(
         pid_m, pid_n, M, N, stride_om, stride_on, BLOCK_M, BLOCK_N, INT64
     )
-    # No eviction hint: evict_first measured 4% slower here (benchmarks/NOTES.md).
+    # No eviction hint: evict_first was slower here (docs/decisions/0005-activation-tiles.md).
     gate = tl.load(gate_ptr + offs_g, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + offs_u, mask=mask).to(tl.float32)
     out = geglu_tile(gate, up, out_ptr.dtype.element_ty, APPROX_TANH)
@@ -216,7 +216,8 @@ def geglu_bwd_kernel(
         pid_m, pid_n, M, N, stride_dum, stride_dun, BLOCK_M, BLOCK_N, INT64
     )
     dtype = dgate_ptr.dtype.element_ty
-    # No eviction hints: evict_first on these loads measured 3.5% slower (NOTES.md).
+    # No eviction hints: evict_first on these loads was slower
+    # (docs/decisions/0005-activation-tiles.md).
     dout = tl.load(dout_ptr + offs_d, mask=mask).to(tl.float32)
     gate = tl.load(gate_ptr + offs_g, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + offs_u, mask=mask).to(tl.float32)

@@ -14,9 +14,9 @@ library.py, and the PyTorch formulas that define each op.
 
 import torch
 import torch.nn.functional as F
-from torch.autograd import forward_ad
 
 from . import library
+from .checks import transforms_active
 from .gemm import GELU_TANH, NO_ACT
 
 
@@ -47,13 +47,6 @@ def geglu_linear_formula(x, w_gate, w_up, b_gate, b_up, approximate):
 def geglu_mlp_formula(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
     h = geglu_linear_formula(x, w_gate, w_up, b_gate, b_up, approximate)
     return F.linear(h, w_down, b_down)
-
-
-def transforms_active() -> bool:
-    """Whether a torch.func transform or a forward-mode AD level is active (asked outside
-    torch.compile only: Dynamo does not trace the query, and torch.compile over torch.func
-    is left to the kernels)."""
-    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
 def _differentiable_grads(formula, inputs: tuple, needs: tuple, grad_out):
@@ -263,12 +256,12 @@ def geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate: str) -> torch.Tenso
     )
 
 
-def geglu_mlp_inference(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
+def one_launch_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
     """The whole MLP in one launch, where autograd records nothing (the route's call: no
     backward is defined for it); the PyTorch formula under torch.func transforms."""
     args = (x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate)
     if library.dispatched(x):
-        return library.geglu_mlp.op(*args)
+        return library.one_launch_mlp.op(*args)
     if transforms_active():
         return geglu_mlp_formula(*args)
-    return library.geglu_mlp.eager(*args)
+    return library.one_launch_mlp.eager(*args)

@@ -404,3 +404,40 @@ def current_device_and_stream() -> tuple[int, int]:
     get_device, get_stream = _CURRENT
     device = get_device()
     return device, get_stream(device)
+
+
+def stream_scratch(
+    store: dict,
+    device: torch.device,
+    numel: int,
+    counters: int,
+    zeroed: bool,
+    capturing: bool | None = None,
+    stream: int | None = None,
+) -> tuple:
+    """(fp32 workspace of at least ``numel``, zeroed int32 counters), kept in ``store`` per
+    (device, stream) and reused: launches on one stream run in order, and the kernels
+    leave the counters zero (and a ``zeroed`` workspace zero) for the next. Inside a CUDA
+    graph capture, fresh ones (memset nodes): the graph may replay on any stream, beside
+    other work of the capture stream. ``capturing``: whether a capture is on, and
+    ``stream``: the launch's (current_device_and_stream()), where the caller knows (None:
+    asked here)."""
+    workspace = torch.zeros if zeroed else torch.empty
+    if capturing is None:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing:
+        return (
+            workspace(numel, dtype=torch.float32, device=device),
+            torch.zeros(counters, dtype=torch.int32, device=device),
+        )
+    key = (device, current_device_and_stream()[1] if stream is None else stream)
+    scratch = store.get(key)
+    if scratch is None or scratch[0].numel() < numel:
+        counts = (
+            torch.zeros(counters, dtype=torch.int32, device=device)
+            if scratch is None
+            else scratch[1]
+        )
+        scratch = workspace(numel, dtype=torch.float32, device=device), counts
+        store[key] = scratch
+    return scratch

@@ -3,7 +3,7 @@
 kernels' layer rules: no ``__init__``, no members but ``has_backward`` and
 ``can_torch_compile``; ``self`` is the original module, whose submodules are declared
 here as annotations. Each forward has the signature of the forward it replaces. The route
-(which kernels, or the module's own forward) is route.py's: a layer runs our kernels only
+(which kernels, or the module's own forward) is policy.py's: a layer runs our kernels only
 where they reproduce the module's forward, and otherwise the module's own forward
 (``own_forward``), with a warning naming the reason, once.
 """
@@ -14,22 +14,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import autograd
-from .checks import is_dtensor
-from .gemm import NO_ACT
-from .route import (
-    Family,
-    fallback_reason,
-    geglu_projections,
-    halves_activation,
-    input_reason,
-    linear,
-    mlp_output,
-    module_route,
-    project_down,
-    trains_eager,
-    warn_fallback,
+from . import autograd, library
+from .checks import (
+    CPU_UNAVAILABLE,
+    PLAIN_TENSORS,
+    SUPPORTED_DTYPES,
+    is_dtensor,
+    kernels_run_on,
 )
+from .fp8.modules import fp8_output
+from .gemm import NO_ACT
+from .module_route import ModuleRoute, module_route
+from .policy import (
+    down_projection,
+    eager_activation_pays,
+    fuse_projections,
+    linear,
+)
+from .reproduction import Family, is_identity_dropout
 
 GEMMA_MLP = Family(
     "GeGLUMLP",
@@ -80,6 +82,155 @@ def own_forward(module: nn.Module):
         if forward is not None and forward not in LAYER_FORWARDS:
             return forward
     return nn.Module.forward
+
+
+# --- What a layer does per call ---------------------------------------------------------
+
+
+def trains_eager(route: ModuleRoute, x: torch.Tensor) -> bool:
+    """Whether this call runs the module's own forward by training_kernel_min_elements,
+    asked first (host time is this path's cost): plain projections (the route knows the
+    sizes), a one-op GeLU, a small ``x`` (of another last dim, the module's forward
+    raises its own error), autograd recording. Asked of any tensor ``x``: the module's
+    own forward is the answer for all."""
+    return x.numel() < route.eager_training_inputs and autograd.needs_grad(
+        x, *route.fusable
+    )
+
+
+def fallback_reason(route: ModuleRoute, x: torch.Tensor) -> str | None:
+    """Why our kernels cannot run this call (None: they can)."""
+    return route.fallback if route.fallback is not None else input_reason(x)
+
+
+def input_reason(x: torch.Tensor) -> str | None:
+    """Why our kernels cannot take ``x`` (None: they can)."""
+    if not kernels_run_on(x.device):
+        cpu = f" ({CPU_UNAVAILABLE})" if x.device.type == "cpu" else ""
+        return (
+            f"Triton kernels cannot run on {x.device.type} tensors in this process{cpu}"
+        )
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"its input is {x.dtype} (the kernels take bfloat16, float16, float32)"
+    return None
+
+
+def warn_fallback(
+    module: nn.Module, layer: str, reason: str, warned: set | None = None
+) -> None:
+    """Warns that the module runs its own forward, once per reason in ``warned`` (the
+    module's route's; Python's warning filters then show one of identical messages)."""
+    if warned is None or reason not in warned:
+        if warned is not None:
+            warned.add(reason)
+        warnings.warn(
+            f"fused-geglu {layer}: {type(module).__name__} runs its own forward: "
+            f"{reason}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def mlp_output(route: ModuleRoute, x: torch.Tensor, dropout: nn.Module | None = None):
+    """The module's output for ``x`` in one launch (``dropout``: the module's dropout
+    between the activation and the down projection, which must be the identity), or None
+    where the route does not take it: the layers' fast path, asked first. ``route.mlp``
+    holds only weights the dual GEMM takes, so an ``x`` of their dtype and device, of a
+    plain type, outside autocast and torch.func transforms, meets the rest of
+    ``fuse_projections`` and ``input_reason``. Eager calls only: module_route prepares
+    ``mlp_launch`` outside torch.compile."""
+    launch = route.mlp_launch
+    if launch is None:
+        return None if route.fp8 is None else fp8_output(route, x, dropout)
+    if not launch.takes(x) or not (dropout is None or is_identity_dropout(dropout)):
+        return None
+    if x.is_contiguous() and not library.profiler_enabled():
+        return launch(x)
+    return library.one_launch_mlp.eager(x, *launch.operands, route.approximate)
+
+
+def geglu_projections(route: ModuleRoute, x: torch.Tensor, family: Family):
+    """(gelu(gate) * up of the module's projections for ``x``, whether the dual GEMM
+    computed it). Otherwise the projections' own forwards (cuBLAS, or whatever wraps them:
+    LoRA, quantised, hooked, autocast) and our fused activation."""
+    fusable = route.fusable
+    if fusable is not None:
+        w_gate, w_up, b_gate, b_up = fusable
+        # The module's own forward would raise for another dtype, size or device.
+        if (
+            w_gate.dtype is x.dtype
+            and x.shape[-1] == w_gate.shape[1]
+            and w_gate.device == x.device
+            and fuse_projections(x)
+        ):
+            return autograd.geglu_linear(
+                x, w_gate, w_up, b_gate, b_up, route.approximate
+            ), True
+    # Plain nn.Linear projections without hooks (and no global hook: module_route) hand
+    # their outputs to no one else: the activation's backward may overwrite them.
+    owned = route.fusable is not None
+    if len(route.projections) == 2:
+        gate, up = route.projections[0](x), route.projections[1](x)
+        if route.one_op_gelu and eager_activation_pays(gate.numel(), gate, up):
+            return autograd.geglu_formula(gate, up, route.approximate), False
+        return activation(gate, up, route.approximate, owned), False
+    y = route.projections[0](x)
+    if route.one_op_gelu and eager_activation_pays(y.numel() // 2, y):
+        return autograd.geglu_halves_formula(
+            y, family.gate_half, route.approximate
+        ), False
+    return halves_activation(y, family.gate_half, route.approximate, owned), False
+
+
+def activation(
+    gate: torch.Tensor, up: torch.Tensor, approximate: str, owned: bool = False
+) -> torch.Tensor:
+    """``gelu(gate) * up`` for the projections' outputs: our kernel where it computes
+    exactly that (one shape, dtype and device it runs on; DTensors of one shape through
+    their sharding rule), else eager's formula (broadcasting, mixed or other dtypes).
+    ``owned``: autograd.GeGLU's."""
+    plain = type(gate) in PLAIN_TENSORS and type(up) in PLAIN_TENSORS
+    if (
+        gate.shape == up.shape
+        and gate.dtype is up.dtype
+        and gate.dtype in SUPPORTED_DTYPES
+        and gate.device == up.device
+        and kernels_run_on(gate.device)
+        and (plain or (is_dtensor(gate) and is_dtensor(up)))
+    ):
+        if not plain:
+            library.register_dtensor_rules()
+        return autograd.geglu(gate, up, approximate, owned)
+    return autograd.geglu_formula(gate, up, approximate)
+
+
+def halves_activation(
+    y: torch.Tensor, gate_half: int, approximate: str, owned: bool = False
+) -> torch.Tensor:
+    """``gelu(gate) * up`` over the halves of ``y`` (``gate_half``: which is the gate): one
+    op on y where our kernel runs on it (its gradient then needs no concatenation), else
+    ``activation`` of its chunks (a DTensor, an odd last dim: eager's result or error)."""
+    if (
+        type(y) in PLAIN_TENSORS
+        and y.dim() > 0
+        and y.shape[-1] % 2 == 0
+        and y.dtype in SUPPORTED_DTYPES
+        and kernels_run_on(y.device)
+    ):
+        return autograd.geglu_halves(y, gate_half, approximate, owned)
+    halves = y.chunk(2, dim=-1)
+    return activation(halves[gate_half], halves[1 - gate_half], approximate, owned)
+
+
+def project_down(route: ModuleRoute, h: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The module's down projection of ``h``."""
+    operands = route.down_operands
+    if operands is not None and operands[0].dtype == h.dtype:
+        return down_projection(h, operands[0], operands[1], fused)
+    return route.down(h)
+
+
+# --- The layers ------------------------------------------------------------------------
 
 
 class GeGLUMLP(nn.Module):
@@ -210,7 +361,7 @@ class GEGLU(nn.Module):
 
 class Linear(nn.Module):
     """``nn.Linear``: ``input @ weight.T + bias`` with the bias in the GEMM epilogue; in
-    training, ``F.linear`` itself (route.linear)."""
+    training, ``F.linear`` itself (policy.linear)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None

@@ -18,33 +18,14 @@ import math
 
 import torch
 
+from . import one_launch
 from ._ops import add_op_namespace_prefix
 from .checks import PLAIN_TENSORS
 from .elementwise import as_rows, geglu_backward, geglu_forward
-from .gemm import (
-    FP8_BLOCK,
-    FP8_CUBLAS_ROWS,
-    GELU_TANH,
-    NO_ACT,
-    fp8_cublas_applies,
-    geglu_mlp_small,
-    gelu_code,
-    gemm,
-    gemm_act,
-    gemm_dact,
-    gemm_fp8_cublas,
-    gemm_gated,
-    later_split_k_counters,
-    launch_gemm_fp8,
-    launch_gemm_gated_fp8,
-    quantize_fp8,
-    tma_applies,
-)
-from .launch import cdiv
-from .tuning import FP8_QUANT_A_ROWS
+from .gemm import GELU_TANH, NO_ACT, gelu_code, gemm, gemm_act, gemm_dact, gemm_gated
 
 
-def _rows_operand(t: torch.Tensor) -> torch.Tensor:
+def rows_operand(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the GEMMs read it: itself when 2-D or contiguous (no view made), else 2-D
     rows (a view, or a copy where strides cannot express one)."""
     if t.dim() == 2 or (t.is_contiguous() and t.shape[-1] > 0):
@@ -52,9 +33,7 @@ def _rows_operand(t: torch.Tensor) -> torch.Tensor:
     return as_rows(t)
 
 
-def _empty(
-    like: torch.Tensor, *shape, dtype: torch.dtype | None = None
-) -> torch.Tensor:
+def empty(like: torch.Tensor, *shape, dtype: torch.dtype | None = None) -> torch.Tensor:
     # new_empty: fewer arguments to parse than torch.empty(shape, dtype=, device=)
     if dtype is None:
         return like.new_empty(shape)
@@ -100,7 +79,7 @@ class KernelOp:
         def registered(*args):
             out = impl(*args)
             if isinstance(out, tuple):
-                return tuple(_empty(args[0], 0) if o is None else o for o in out)
+                return tuple(empty(args[0], 0) if o is None else o for o in out)
             return out
 
         self.impl = impl
@@ -128,7 +107,7 @@ class KernelOp:
 
 
 def _geglu(gate, up, approximate):
-    out = _empty(gate, *gate.shape)
+    out = empty(gate, *gate.shape)
     geglu_forward(gate, up, out, approximate)
     return out
 
@@ -137,7 +116,7 @@ geglu = KernelOp(
     "geglu",
     "(Tensor gate, Tensor up, str approximate) -> Tensor",
     _geglu,
-    lambda gate, up, approximate: _empty(gate, *gate.shape),
+    lambda gate, up, approximate: empty(gate, *gate.shape),
 )
 
 geglu_grad = KernelOp(
@@ -145,8 +124,8 @@ geglu_grad = KernelOp(
     "(Tensor dout, Tensor gate, Tensor up, str approximate) -> (Tensor, Tensor)",
     geglu_backward,
     lambda dout, gate, up, approximate: (
-        _empty(gate, *gate.shape),
-        _empty(gate, *gate.shape),
+        empty(gate, *gate.shape),
+        empty(gate, *gate.shape),
     ),
 )
 
@@ -181,13 +160,13 @@ geglu_halves = KernelOp(
     "geglu_halves",
     "(Tensor y, int gate_half, str approximate) -> Tensor",
     _geglu_halves,
-    lambda y, gate_half, approximate: _empty(y, *y.shape[:-1], y.shape[-1] // 2),
+    lambda y, gate_half, approximate: empty(y, *y.shape[:-1], y.shape[-1] // 2),
 )
 
 
 def _geglu_halves_backward(dout, y, gate_half, approximate):
     """y's gradient as one tensor, its halves written by the backward kernel (no concat)."""
-    dy = _empty(y, *y.shape)
+    dy = empty(y, *y.shape)
     geglu_backward(
         dout, *gate_and_up(y, gate_half), approximate, *gate_and_up(dy, gate_half)
     )
@@ -198,7 +177,7 @@ geglu_halves_grad = KernelOp(
     "geglu_halves_backward",
     "(Tensor dout, Tensor y, int gate_half, str approximate) -> Tensor",
     _geglu_halves_backward,
-    lambda dout, y, gate_half, approximate: _empty(y, *y.shape),
+    lambda dout, y, gate_half, approximate: empty(y, *y.shape),
 )
 
 
@@ -240,14 +219,14 @@ def register_dtensor_rules() -> None:
 
 def _linear(x, weight, bias, activation, store_preact):
     """(act(x @ weight^T + bias), the pre-activation when ``store_preact`` else None)."""
-    x2 = _rows_operand(x)
+    x2 = rows_operand(x)
     n = weight.shape[0]
-    y = _empty(x, *x.shape[:-1], n)
+    y = empty(x, *x.shape[:-1], n)
     preact = None
     if activation == NO_ACT:
         gemm(x2, weight, y, bias=bias)
     else:
-        preact = _empty(x, math.prod(x.shape[:-1]), n) if store_preact else None
+        preact = empty(x, math.prod(x.shape[:-1]), n) if store_preact else None
         gemm_act(x2, weight, y, activation, bias=bias, preact=preact)
     return y, preact
 
@@ -256,8 +235,8 @@ def _linear_fake(x, weight, bias, activation, store_preact):
     m = 1
     for s in x.shape[:-1]:  # symbolic under torch.compile (Size.numel() specialises)
         m = m * s
-    preact = _empty(x, m, weight.shape[0]) if store_preact else _empty(x, 0)
-    return _empty(x, *x.shape[:-1], weight.shape[0]), preact
+    preact = empty(x, m, weight.shape[0]) if store_preact else empty(x, 0)
+    return empty(x, *x.shape[:-1], weight.shape[0]), preact
 
 
 linear = KernelOp(
@@ -276,17 +255,17 @@ def _bias_grad_alone(dz: torch.Tensor) -> torch.Tensor:
 
 def _linear_backward(dy, x, weight, preact, activation, need_dx, need_dw, need_db):
     """(dx, dw, db), None where not needed, of act(x @ W^T + b) with an activation
-    (without one, training takes cuBLAS: route.linear). dZ = round(dY * act'(Z)) is formed
+    (without one, training takes cuBLAS: policy.linear). dZ = round(dY * act'(Z)) is formed
     in each GEMM's prologue; the bias gradient rides in the weight-gradient GEMM, or is a
     column sum when no weight gradient is needed."""
     dy2, x2 = as_rows(dy), as_rows(x)
     dx = dw = db = None
     if need_dx:  # dX = dZ @ W
-        dx = _empty(x, *x.shape)
+        dx = empty(x, *x.shape)
         gemm_dact(dy2, preact, weight.t(), as_rows(dx), activation)
-    db32 = _empty(dy, weight.shape[0], dtype=torch.float32) if need_db else None
+    db32 = empty(dy, weight.shape[0], dtype=torch.float32) if need_db else None
     if need_dw:  # dW = dZ^T @ X; db = row sums of dZ^T, in the same GEMM
-        dw = _empty(weight, *weight.shape)
+        dw = empty(weight, *weight.shape)
         gemm_dact(dy2.t(), preact.t(), x2.t(), dw, activation, bias_grad=db32)
     elif need_db:
         approximate = "tanh" if activation == GELU_TANH else "none"
@@ -303,9 +282,9 @@ linear_grad = KernelOp(
     " bool need_dw, bool need_db) -> (Tensor, Tensor, Tensor)",
     _linear_backward,
     lambda dy, x, weight, preact, activation, need_dx, need_dw, need_db: (
-        _empty(x, *x.shape) if need_dx else _empty(x, 0),
-        _empty(weight, *weight.shape) if need_dw else _empty(weight, 0),
-        _empty(dy, weight.shape[0] if need_db else 0),
+        empty(x, *x.shape) if need_dx else empty(x, 0),
+        empty(weight, *weight.shape) if need_dw else empty(weight, 0),
+        empty(dy, weight.shape[0] if need_db else 0),
     ),
 )
 
@@ -315,13 +294,13 @@ linear_grad = KernelOp(
 
 def _geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate, store_preact):
     """(h, gate, up): the pre-activations when ``store_preact``, else None."""
-    x2 = _rows_operand(x)
+    x2 = rows_operand(x)
     n = w_gate.shape[0]
-    h = _empty(x, *x.shape[:-1], n)
+    h = empty(x, *x.shape[:-1], n)
     gate = up = None
     if store_preact:
         m = math.prod(x.shape[:-1])
-        gate, up = _empty(x, m, n), _empty(x, m, n)
+        gate, up = empty(x, m, n), empty(x, m, n)
     gemm_gated(
         x2, w_gate, w_up, h, gelu_code(approximate), bias_gate=b_gate, bias_up=b_up,
         gate=gate, up=up,
@@ -331,7 +310,7 @@ def _geglu_linear(x, w_gate, w_up, b_gate, b_up, approximate, store_preact):
 
 def _geglu_linear_fake(x, w_gate, w_up, b_gate, b_up, approximate, store_preact):
     h, pre = _linear_fake(x, w_gate, None, NO_ACT, store_preact)
-    return h, pre, _empty(pre, *pre.shape)
+    return h, pre, empty(pre, *pre.shape)
 
 
 geglu_linear = KernelOp(
@@ -346,120 +325,21 @@ geglu_linear = KernelOp(
 # --- The whole MLP in one launch (inference, few tokens) --------------------------------
 
 
-def _geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
-    out = _empty(x, *x.shape[:-1], w_down.shape[0])
-    geglu_mlp_small(
-        _rows_operand(x), w_gate, w_up, w_down, out, gelu_code(approximate),
+def _one_launch_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
+    out = empty(x, *x.shape[:-1], w_down.shape[0])
+    one_launch.one_launch_mlp(
+        rows_operand(x), w_gate, w_up, w_down, out, gelu_code(approximate),
         bias_gate=b_gate, bias_up=b_up, bias_down=b_down,
     )  # fmt: skip
     return out
 
 
-geglu_mlp = KernelOp(
-    "geglu_mlp",
+one_launch_mlp = KernelOp(
+    "one_launch_mlp",
     "(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, Tensor? b_gate, Tensor? b_up,"
     " Tensor? b_down, str approximate) -> Tensor",
-    _geglu_mlp,
-    lambda x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate: _empty(
-        x, *x.shape[:-1], w_down.shape[0]
-    ),
-)
-
-
-# --- FP8 (inference) ----------------------------------------------------------------------
-
-
-def _geglu_mlp_fp8(x, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, b_gate,
-                   b_up, b_down, approximate, one_launch):  # fmt: skip
-    """The FP8 MLP (arguments checked by the caller, so its GEMMs launch unchecked; fp32
-    block scales; gate_scale and up_scale of one stride): in one launch (``one_launch``:
-    at most MLP_MAX_TOKENS rows); all three products by cuBLAS
-    where fp8_cublas_applies to each (prefill on Hopper: _geglu_mlp_fp8_cublas); or x
-    quantized (inside the dual GEMM up to FP8_QUANT_A_ROWS rows), the dual GEMM handing h
-    over quantized, and the down GEMM (cuBLAS's where fp8_cublas_applies: h's rows then
-    padded to a multiple of FP8_CUBLAS_ROWS, the padding's products discarded)."""
-    m, hidden, i = math.prod(x.shape[:-1]), x.shape[-1], w_gate.shape[0]
-    n = w_down.shape[0]
-    x2, act = _rows_operand(x), gelu_code(approximate)
-    if one_launch:
-        out = _empty(x, *x.shape[:-1], n)
-        geglu_mlp_small(
-            x2, w_gate, w_up, w_down, out, act, bias_gate=b_gate, bias_up=b_up,
-            bias_down=b_down, scales=(gate_scale, up_scale, down_scale),
-        )  # fmt: skip
-        return out
-    fp8 = torch.float8_e4m3fn
-    cublas = fp8_cublas_applies(m, w_down, down_scale, b_down, x.dtype)
-    # cuBLAS's rows: padded to a multiple of FP8_CUBLAS_ROWS, the padding's products
-    # (never written rows) discarded
-    rows = cdiv(m, FP8_CUBLAS_ROWS) * FP8_CUBLAS_ROWS if cublas else m
-    if cublas and all(
-        fp8_cublas_applies(m, w, s, b, x.dtype)
-        for w, s, b in ((w_gate, gate_scale, b_gate), (w_up, up_scale, b_up))
-    ):
-        return _geglu_mlp_fp8_cublas(
-            x, x2, m, rows, w_gate, gate_scale, w_up, up_scale, w_down, down_scale, act
-        )
-    if m <= FP8_QUANT_A_ROWS:  # the dual GEMM quantizes x in its K loop
-        x_q, x_scale = x2, None
-    else:
-        x_q = _empty(x, m, hidden, dtype=fp8)
-        x_scale = _empty(x, cdiv(hidden, FP8_BLOCK), m, dtype=torch.float32)
-        quantize_fp8(x2, x_q, x_scale)
-    h = _empty(x, rows, i, dtype=fp8)
-    h_scale = _empty(x, cdiv(i, FP8_BLOCK), rows, dtype=torch.float32)
-    h_out, h_scale_out = (h[:m], h_scale[:, :m]) if rows > m else (h, h_scale)
-    # In a CUDA graph, zeroed split-K counters for the down GEMM would be a memset node
-    # of their own: the dual GEMM zeroes them, where it runs the portable kernel anyway.
-    counters = None
-    if (
-        not cublas
-        and not tma_applies(m, x.dtype, x.device)
-        and x.is_cuda
-        and torch.cuda.is_current_stream_capturing()
-    ):
-        counters = later_split_k_counters(x.device)
-    launch_gemm_gated_fp8(
-        x_q, x_scale, w_gate, gate_scale, w_up, up_scale, h_out, h_scale_out, act,
-        x.dtype, bias_gate=b_gate, bias_up=b_up, clear=counters,
-    )  # fmt: skip
-    if cublas:
-        out = gemm_fp8_cublas(h, h_scale, w_down, down_scale, x.dtype)
-        return out[:m].view(*x.shape[:-1], n)
-    out = _empty(x, *x.shape[:-1], n)
-    launch_gemm_fp8(h, h_scale, w_down, down_scale, out, bias=b_down, counters=counters)
-    return out
-
-
-def _geglu_mlp_fp8_cublas(x, x2, m, rows, w_gate, gate_scale, w_up, up_scale, w_down,
-                          down_scale, act):  # fmt: skip
-    """The FP8 MLP's three products by cuBLAS's block-scaled GEMM (prefill sizes on Hopper,
-    gemm.fp8_cublas_applies for all three): x quantized, gate and up apart (rounded to x's
-    dtype, as gemm_gated_fp8 rounds them), h = round(act(gate)) * up quantized in one
-    kernel, the down product; over ``rows`` (m padded), the padding rows (never written)
-    in their own rows of every product, discarded at the end."""
-    fp8, f32 = torch.float8_e4m3fn, torch.float32
-    hidden, i = x2.shape[-1], w_gate.shape[0]
-    x_q = _empty(x, rows, hidden, dtype=fp8)
-    x_scale = _empty(x, cdiv(hidden, FP8_BLOCK), rows, dtype=f32)
-    quantize_fp8(x2, x_q[:m], x_scale[:, :m])
-    gate = gemm_fp8_cublas(x_q, x_scale, w_gate, gate_scale, x.dtype)
-    up = gemm_fp8_cublas(x_q, x_scale, w_up, up_scale, x.dtype)
-    h = _empty(x, rows, i, dtype=fp8)
-    h_scale = _empty(x, cdiv(i, FP8_BLOCK), rows, dtype=f32)
-    quantize_fp8(gate[:m], h[:m], h_scale[:, :m], up=up[:m], activation=act)
-    del gate, up  # 2 x rows x i in x's dtype: freed before the down product's output
-    out = gemm_fp8_cublas(h, h_scale, w_down, down_scale, x.dtype)
-    return out[:m].view(*x.shape[:-1], w_down.shape[0])
-
-
-geglu_mlp_fp8 = KernelOp(
-    "geglu_mlp_fp8",
-    "(Tensor x, Tensor w_gate, Tensor gate_scale, Tensor w_up, Tensor up_scale,"
-    " Tensor w_down, Tensor down_scale, Tensor? b_gate, Tensor? b_up, Tensor? b_down,"
-    " str approximate, bool one_launch) -> Tensor",
-    _geglu_mlp_fp8,
-    lambda x, w_gate, gate_scale, w_up, up_scale, w_down, *rest: _empty(
+    _one_launch_mlp,
+    lambda x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate: empty(
         x, *x.shape[:-1], w_down.shape[0]
     ),
 )

@@ -1,4 +1,4 @@
-"""The public functions: argument checks, then the op (autograd.py) or the route (route.py).
+"""The public functions: argument checks, then the op (autograd.py) or the route (policy.py).
 
 Every function runs under ``torch.compile(fullgraph=True)`` without graph breaks (the
 kernels are custom ops, library.py), is differentiable where it returns a new tensor,
@@ -7,20 +7,21 @@ and raises an error naming shapes, dtypes and devices for an input it cannot com
 
 import torch
 
-from . import autograd, library, route
+from . import autograd, library, policy
 from .checks import (
     LINEAR_ACTIVATIONS,
     check_activation,
     check_approximate,
     check_down_projection,
     check_geglu_linear,
-    check_geglu_mlp_fp8,
     check_gelu_and_mul,
     check_linear_shapes,
     check_tensors,
     given,
     is_dtensor,
 )
+from .fp8 import modules as fp8_modules
+from .fp8.checks import check_geglu_mlp_fp8
 
 
 def geglu(
@@ -70,7 +71,7 @@ def linear(
 ) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` in one kernel: bias and activation in the epilogue.
     Where autograd records a call without an activation, ``F.linear`` (cuBLAS) runs: its
-    backward is the faster one there (route.py).
+    backward is the faster one there (policy.py).
 
     x: [..., K]; weight: [N, K] (``nn.Linear`` layout, any strides); bias: [N];
     activation: None, "gelu" (exact) or "gelu_tanh". Differentiable in all three.
@@ -78,7 +79,7 @@ def linear(
     check_activation("linear", activation)
     check_tensors("linear", x=x, weight=weight, **given(bias=bias))
     check_linear_shapes("linear", x, weight, bias)
-    return route.linear(x, weight, bias, LINEAR_ACTIVATIONS[activation])
+    return policy.linear(x, weight, bias, LINEAR_ACTIVATIONS[activation])
 
 
 def geglu_linear(
@@ -108,7 +109,7 @@ def geglu_mlp(
     b_down: torch.Tensor | None = None,
     approximate: str = "tanh",
 ) -> torch.Tensor:
-    """``down(gelu(gate(x)) * up(x))`` by the route the layers take (route.py): in inference
+    """``down(gelu(gate(x)) * up(x))`` by the route the layers take (policy.py): in inference
     on Hopper-class GPUs the GeGLU dual GEMM, then the down projection (our GEMM with its
     bias in the epilogue where its tiles fill the GPU: two kernels), and for eager calls
     of 16 tokens or fewer the whole MLP in one kernel; in training, or elsewhere, the
@@ -118,7 +119,7 @@ def geglu_mlp(
         w_down=w_down, **given(b_down=b_down),
     )  # fmt: skip
     check_down_projection("geglu_mlp", w_gate, w_down, b_down)
-    return route.geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate)
+    return policy.geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate)
 
 
 def geglu_mlp_fp8(
@@ -152,7 +153,7 @@ def geglu_mlp_fp8(
     scales = {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale}
     biases = {"b_gate": b_gate, "b_up": b_up, "b_down": b_down}
     check_geglu_mlp_fp8("geglu_mlp_fp8", x, weights, scales, biases)
-    return route.geglu_mlp_fp8(
-        x, (w_gate, w_up, w_down), tuple(route.fp8_scale(s) for s in scales.values()),
+    return fp8_modules.geglu_mlp_fp8(
+        x, (w_gate, w_up, w_down), tuple(fp8_modules.fp8_scale(s) for s in scales.values()),
         (b_gate, b_up, b_down), approximate,
     )  # fmt: skip

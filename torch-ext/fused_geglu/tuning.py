@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .gemm_kernels import FP8_BLOCK
+from .fp8.kernels import FP8_BLOCK
 from .launch import INTERPRETED, cdiv, clear_plans, num_programs
 
 
@@ -77,9 +77,9 @@ class Tuning:
     sms: int | None
     # {class: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)}, GEMM_CLASSES
     gemm: dict
-    # geglu_mlp_kernel: BLOCK_I (halved where the intermediate columns would fill less than
+    # one_launch_mlp_kernel: BLOCK_I (halved where the intermediate columns would fill less than
     # half the SMs), BLOCK_K, BLOCK_N, BLOCK_FINAL, num_warps, num_stages
-    mlp: dict
+    one_launch: dict
     # contiguous operands, one long row: (elements per program, warps), per direction
     flat_forward: tuple
     flat_backward: tuple
@@ -135,7 +135,7 @@ INTERPRETER = Tuning(
     capability=None,
     sms=None,
     gemm=dict.fromkeys(GEMM_CLASSES, (32, 64, 32, 4, 4, 1)),
-    mlp={
+    one_launch={
         "BLOCK_I": 32,
         "BLOCK_K": 32,
         "BLOCK_N": 32,
@@ -283,15 +283,17 @@ def split_k(tiles: int, k_tiles: int, programs: int) -> int:
     return split
 
 
-# --- The whole MLP in one launch (decode) ------------------------------------------------
+# --- The whole MLP in one launch (decode, one_launch.py) ------------------------------------------------
 
-# The most tokens geglu_mlp_small takes: its one row tile (BLOCK_M); its fp32 sums grow
+# The most tokens one_launch_mlp takes: its one row tile (BLOCK_M); its fp32 sums grow
 # with the tokens.
-MLP_MAX_TOKENS = 16
+ONE_LAUNCH_MAX_TOKENS = 16
 
 
-def mlp_config(I: int, dtype: torch.dtype, device: torch.device, fp8: bool) -> dict:
-    """geglu_mlp_kernel's tiles: one program per BLOCK_I intermediate columns, as many as
+def one_launch_config(
+    I: int, dtype: torch.dtype, device: torch.device, fp8: bool
+) -> dict:
+    """one_launch_mlp_kernel's tiles: one program per BLOCK_I intermediate columns, as many as
     fit one wave of the GPU (halved where the columns would fill less than half the SMs);
     the last program reads the sums back BLOCK_FINAL columns at a time. fp32 tiles (twice
     the bytes) half as wide. FP8: every tile but BLOCK_FINAL is the 128-wide scale block,
@@ -301,7 +303,7 @@ def mlp_config(I: int, dtype: torch.dtype, device: torch.device, fp8: bool) -> d
                 "BLOCK_FINAL": 2 * FP8_BLOCK if INTERPRETED else 1024,
                 "num_warps": 4 if INTERPRETED else 8,
                 "num_stages": 1 if INTERPRETED else 4}  # fmt: skip
-    cfg = dict(table(device).mlp)
+    cfg = dict(table(device).one_launch)
     if INTERPRETED:
         return cfg
     if cdiv(I, cfg["BLOCK_I"]) < num_programs(device) // 2:

@@ -821,7 +821,7 @@ def test_no_risky_calls_in_package():
     forbidden = re.compile(
         r"\beval\(|\bexec\(|pickle|urllib|\brequests\b|\bsocket\b|subprocess"
     )
-    sources = sorted((ROOT / "torch-ext" / "fused_geglu").glob("*.py"))
+    sources = sorted((ROOT / "torch-ext" / "fused_geglu").rglob("*.py"))
     assert sources
     hits = [
         f"{path.name}:{n}: {line.strip()}"

@@ -30,6 +30,7 @@ GPU_SCRIPTS = {  # script: arguments that would make it run
     "check_report.py": ["report.json"],
     "distributed.py": [],
     "e2e.py": ["--layers", "1", "--prefill-tokens", "8", "--new-tokens", "2"],
+    "layer_host_time.py": ["--baseline", "."],
 }
 
 

@@ -89,7 +89,8 @@ def own_forward(module: nn.Module):
 
 def trains_eager(route: ModuleRoute, x: torch.Tensor) -> bool:
     """Whether this call runs the module's own forward by training_kernel_min_elements,
-    asked first (host time is this path's cost): plain projections (the route knows the
+    asked right after the one-launch path (which takes no call that autograd records;
+    host time is both paths' cost): plain projections (the route knows the
     sizes), a one-op GeLU, a small ``x`` (of another last dim, the module's forward
     raises its own error), autograd recording. Asked of any tensor ``x``: the module's
     own forward is the answer for all."""
@@ -247,11 +248,11 @@ class GeGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         route = module_route(self, GEMMA_MLP)
-        if trains_eager(route, x):
-            return own_forward(self)(self, x)
         out = mlp_output(route, x)
         if out is not None:
             return out
+        if trains_eager(route, x):
+            return own_forward(self)(self, x)
         route = _checked_route(route, self, x, GEMMA_MLP)
         if route is None:
             return own_forward(self)(self, x)
@@ -278,11 +279,11 @@ class T5GeGLUDense(nn.Module):
 
     def forward(self, hidden_states):
         route = module_route(self, T5_GATED_DENSE)
-        if trains_eager(route, hidden_states):
-            return own_forward(self)(self, hidden_states)
         out = mlp_output(route, hidden_states, self.dropout)
         if out is not None:
             return out
+        if trains_eager(route, hidden_states):
+            return own_forward(self)(self, hidden_states)
         route = _checked_route(route, self, hidden_states, T5_GATED_DENSE)
         if route is None:
             return own_forward(self)(self, hidden_states)
@@ -313,11 +314,11 @@ class ModernBertGeGLUMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         route = module_route(self, MODERNBERT_MLP)
-        if trains_eager(route, hidden_states):
-            return own_forward(self)(self, hidden_states)
         out = mlp_output(route, hidden_states, self.drop)
         if out is not None:
             return out
+        if trains_eager(route, hidden_states):
+            return own_forward(self)(self, hidden_states)
         route = _checked_route(route, self, hidden_states, MODERNBERT_MLP)
         if route is None:
             return own_forward(self)(self, hidden_states)

@@ -641,6 +641,13 @@ def sweeps_8192(device: str) -> list[Path]:
     return sorted(by_triton.values(), key=version_key)
 
 
+def compare_mlps(device: str) -> list[Path]:
+    """The newest Gemma-MLP-only comparison (``compare.py --only mlp``, kept as
+    ``*-compare-mlp.json``) of each Triton version on ``device``, by version."""
+    by_triton = {raw(p)["env"]["triton"]: p for p in results("compare-mlp", device)}
+    return sorted(by_triton.values(), key=version_key)
+
+
 def sweep_8192_section(paths: list[Path], brief: bool = False) -> list[str]:
     """The 8192-token GEMM sweeps by Triton version: our dual GEMM (gate and up) and down
     GEMM at the launch table's tiles against cuBLAS, and ``geglu_mlp`` against the eager
@@ -758,6 +765,8 @@ def render_summary() -> str:
     for gpu in gpus():
         if path := newest("families", gpu):
             lines += summary_families_section(path)
+        elif paths := compare_mlps(gpu):  # the newest Triton's (docs/results.md: all)
+            lines += summary_mlp_section(load(paths[-1]))
         elif (path := newest("compare", gpu)) and "mlp" in (result := load(path)):
             lines += summary_mlp_section(result)
         if path := newest("fp8", gpu):
@@ -781,6 +790,8 @@ def render() -> str:
         lines += [f"### {gpu}", ""]
         compare = newest("compare", gpu)
         lines += compare_section(compare, load(compare))
+        for path in compare_mlps(gpu):
+            lines += compare_section(path, load(path))
         rerun = newest("compare-training", gpu)
         if rerun and rerun.name > compare.name:
             lines += training_rerun_section(rerun, load(rerun))

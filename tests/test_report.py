@@ -31,6 +31,7 @@ GPU_SCRIPTS = {  # script: arguments that would make it run
     "distributed.py": [],
     "e2e.py": ["--layers", "1", "--prefill-tokens", "8", "--new-tokens", "2"],
     "layer_host_time.py": ["--baseline", "."],
+    "mlp_sustained.py": [],
 }
 
 

@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 INTERPRETER_TRITON ?= 3.9.0
 STAMP := $(VENV)/.installed-$(shell cksum requirements-test.txt | cut -d' ' -f1)-$(INTERPRETER_TRITON)
 
-.PHONY: setup build test demo lint bench report e2e results upload clean
+.PHONY: setup build test demo lint bench report e2e results upload clean precompile
 
 setup: $(STAMP)
 
@@ -27,6 +27,13 @@ test: build
 
 demo: build
 	$(PY) scripts/demo.py
+
+# Kernels compiled on the CPU for the GPU (docs/precompiled.md) into
+# torch-ext/fused_geglu/precompiled/, then shipped by a new build; e.g.
+# `make precompile ARGS="--arch 90 --arch 100"`.
+precompile: build
+	env -u TRITON_INTERPRET $(PY) scripts/precompile.py $(ARGS)
+	$(PY) scripts/build.py
 
 # Profiling report into benchmarks/out/; e.g. `make report ARGS="--tokens 1 64"`.
 report: build

@@ -196,6 +196,8 @@ def build(out: Path, repo_id: str | None = None) -> list[Path]:
             shutil.rmtree(variant)
         variant.mkdir(parents=True)
         for file in source_files(src, pyext):
+            if backend != "cuda" and file.relative_to(src).parts[0] == "precompiled":
+                continue  # CUDA binaries (make precompile): the CUDA variant's only
             target = variant / file.relative_to(src)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(file, target)

@@ -335,7 +335,7 @@ def test_down_gemm_by_cublas(
     weights, scales, biases = fp8_params(h, i, n, device, False, dtype)
     calls = []
     _cublas_stand_in(fused_geglu, monkeypatch, calls)
-    if HAS_GPU and not fused_geglu.launch.has_cublas_fp8_blocks(torch.device(device)):
+    if HAS_GPU and not fused_geglu.fp8.gemm.has_cublas_fp8_blocks(torch.device(device)):
         pytest.skip(
             "cuBLAS's block-scaled FP8 GEMM is measured and taken on Hopper only"
         )
@@ -375,7 +375,7 @@ def _cublas_case(fused_geglu, device, monkeypatch, table_fields, dtype, bias: bo
     biases = (biases[0], biases[1], None)
     calls = []
     _cublas_stand_in(fused_geglu, monkeypatch, calls)
-    if HAS_GPU and not fused_geglu.launch.has_cublas_fp8_blocks(torch.device(device)):
+    if HAS_GPU and not fused_geglu.fp8.gemm.has_cublas_fp8_blocks(torch.device(device)):
         pytest.skip(
             "cuBLAS's block-scaled FP8 GEMM is measured and taken on Hopper only"
         )

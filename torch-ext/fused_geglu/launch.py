@@ -6,7 +6,9 @@ hashes the result on each call, which costs more host time than the launch itsel
 compiles one kernel per (constexprs, options, each pointer's dtype and 16-byte alignment,
 each int's class: == 1, % 16 == 0, 32- or 64-bit). A ``Launcher`` serves arguments of one
 such specialisation (its owner keys launchers by dtypes, shapes and strides, in a bounded
-``BoundedCache``): its first call goes through ``kernel[grid]``, later ones hand the
+``BoundedCache``): its first call loads the kernel compiled at build time for exactly
+that launch where the build ships one (precompiled.py), else goes through
+``kernel[grid]``; later ones hand the
 compiled kernel's launcher what ``JITFunction.run`` would. Misaligned pointers, launch hooks
 (proton), the interpreter, and a Triton whose launcher refuses those arguments take
 ``kernel[grid]`` every time.
@@ -21,6 +23,8 @@ import torch
 import triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
+
+from . import precompiled
 
 # triton.jit picks the interpreter when a kernel is defined; read the knob once, here.
 INTERPRETED = triton.knobs.runtime.interpret
@@ -111,7 +115,6 @@ def cdiv(a: int, b: int) -> int:
 # policy that reads them, and Dynamo warns on lru_cache-wrapped calls).
 _SM_COUNT: dict[torch.device, int] = {}
 _HAS_TMA: dict[torch.device, bool] = {}
-_HAS_CUBLAS_FP8_BLOCKS: dict[torch.device, bool] = {}
 
 
 def num_programs(device: torch.device) -> int:
@@ -143,30 +146,6 @@ def has_tma(device: torch.device) -> bool:
             )
         _HAS_TMA[device] = tma
     return tma
-
-
-def has_cublas_fp8_blocks(device: torch.device) -> bool:
-    """Whether torch's ``_scaled_mm`` runs cuBLAS's GEMM with 1 x 128 and 128 x 128 block
-    scales here: a Hopper GPU (compute capability 9.0, the one measured), a torch built
-    with CUDA 12.9 or later (earlier builds refuse block-wise scales) that has the
-    block-wise scaling types."""
-    blocks = _HAS_CUBLAS_FP8_BLOCKS.get(device)
-    if blocks is None:
-        cuda = torch.version.cuda
-        blocks = (
-            not INTERPRETED
-            and device.type == "cuda"
-            and torch.version.hip is None
-            and cuda is not None
-            and tuple(int(v) for v in cuda.split(".")[:2]) >= (12, 9)
-            and hasattr(torch.nn.functional, "scaled_mm")
-            and hasattr(
-                getattr(torch.nn.functional, "ScalingType", None), "BlockWise1x128"
-            )
-            and torch.cuda.get_device_capability(device) == (9, 0)
-        )
-        _HAS_CUBLAS_FP8_BLOCKS[device] = blocks
-    return blocks
 
 
 class BoundedCache(dict):
@@ -236,6 +215,7 @@ class Launcher:
         "constexprs",
         "device",
         "kernel",
+        "looked_up",
         "pointers",
         "stream",
         "values",
@@ -254,6 +234,8 @@ class Launcher:
         self.pointers = ()  # positions of the tensor arguments
         # The active driver's current-device and -stream getters, as JITFunction.run's.
         self.device = self.stream = None
+        # whether the first call looked for a precompiled kernel (precompiled.py)
+        self.looked_up = False
 
     def __call__(self, grid: int, *args) -> None:
         """``args``: the kernel's runtime parameters in order, None where unused (Triton
@@ -269,6 +251,10 @@ class Launcher:
                     grid, self.stream(device), args
                 ):
                     return
+        elif not self.looked_up:
+            self.looked_up = True
+            if self._launch_precompiled(grid, args):
+                return
         binary = self._launch_through_triton(grid, args)
         if (
             direct_launch_works
@@ -282,6 +268,45 @@ class Launcher:
                 self.device, self.stream = _stream_getters()
                 self.pointers, self.binary = pointers, binary
                 self.binary_device = self.device()
+
+    def _launch_precompiled(self, grid: int, args: tuple) -> bool:
+        """The first launch through the kernel compiled at build time for exactly this
+        launch (precompiled.find: same Triton, GPU, kernel source, specialisation and
+        options), then kept as the direct launch's; False where there is none, or it did
+        not load (e.g. too much shared memory here): the caller compiles."""
+        if (
+            INTERPRETED
+            or torch.version.hip
+            or not direct_launch_works
+            or not isinstance(self.kernel, JITFunction)
+            or _launch_hooks_set()
+        ):
+            return False
+        pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        if any(args[i].data_ptr() & 15 for i in pointers):
+            return False
+        stages = _STAGES_THAT_FIT.get(
+            (id(self.kernel), self.values), self.constexprs["num_stages"]
+        )
+        binary = precompiled.find(
+            self.kernel, args, {**self.constexprs, "num_stages": stages}
+        )
+        if binary is None:
+            return False
+        get_device, get_stream = _stream_getters()
+        device = get_device()
+        try:
+            binary._init_handles()  # loads the cubin on the current device
+        except Exception:  # noqa: BLE001 (out of resources, a driver refusal: JIT)
+            return False
+        if binary.function is None:
+            return False
+        self.device, self.stream = get_device, get_stream
+        self.pointers, self.binary, self.binary_device = pointers, binary, device
+        if self._run(grid, get_stream(device), args):
+            return True
+        self.binary = self.binary_device = None
+        return False
 
     def launch_aligned(self, grid: int, device: int, stream: int, args: tuple) -> bool:
         """The direct launch on ``stream`` of ``device`` (the current device and its current

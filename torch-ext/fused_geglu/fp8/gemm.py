@@ -36,15 +36,7 @@ from ..gemm import (
     tma_launcher,
     tma_operand,
 )
-from ..launch import (
-    INTERPRETED,
-    BoundedCache,
-    Launcher,
-    cdiv,
-    has_cublas_fp8_blocks,
-    has_tma,
-    num_programs,
-)
+from ..launch import INTERPRETED, BoundedCache, Launcher, cdiv, has_tma, num_programs
 from ..tuning import (
     FP8_QUANT_A_ROWS,
     GemmConfig,
@@ -388,6 +380,34 @@ def launch_gemm_gated_fp8(a, a_scale, b_gate, gate_scale, b_up, up_scale, h, h_s
     )  # fmt: skip
 
 
+# Per device, read once (as launch.py's device facts).
+_HAS_CUBLAS_FP8_BLOCKS: dict[torch.device, bool] = {}
+
+
+def has_cublas_fp8_blocks(device: torch.device) -> bool:
+    """Whether torch's ``_scaled_mm`` runs cuBLAS's GEMM with 1 x 128 and 128 x 128 block
+    scales here: a Hopper GPU (compute capability 9.0, the one measured), a torch built
+    with CUDA 12.9 or later (earlier builds refuse block-wise scales) that has the
+    block-wise scaling types."""
+    blocks = _HAS_CUBLAS_FP8_BLOCKS.get(device)
+    if blocks is None:
+        cuda = torch.version.cuda
+        blocks = (
+            not INTERPRETED
+            and device.type == "cuda"
+            and torch.version.hip is None
+            and cuda is not None
+            and tuple(int(v) for v in cuda.split(".")[:2]) >= (12, 9)
+            and hasattr(torch.nn.functional, "scaled_mm")
+            and hasattr(
+                getattr(torch.nn.functional, "ScalingType", None), "BlockWise1x128"
+            )
+            and torch.cuda.get_device_capability(device) == (9, 0)
+        )
+        _HAS_CUBLAS_FP8_BLOCKS[device] = blocks
+    return blocks
+
+
 # cuBLAS's 1 x 128 activation scales ([K/128, rows] seen transposed) must keep each K
 # block's column 16-byte aligned: 65 rows were refused, padded strides too (torch's check).
 FP8_CUBLAS_ROWS = 4
@@ -397,12 +417,12 @@ def fp8_cublas_applies(
     M: int, b: torch.Tensor, b_scale: torch.Tensor, bias, dtype: torch.dtype
 ) -> bool:
     """Whether cuBLAS computes an FP8 GEMM of M rows (``gemm_fp8_cublas``, its A's rows
-    padded to a multiple of FP8_CUBLAS_ROWS): from the table's ``fp8_cublas_min_rows`` where it runs
-    (has_cublas_fp8_blocks), 1.5x faster than our TMA kernel at 2048 to 8192 rows of
-    Gemma-2B's down projection on the H200 (its K blocks' scaling overlaps the MMAs, where
-    ours waits for each; docs/decisions/0008-fp8-prefill-cublas.md). Without a bias, a 16-bit output, N a
-    multiple of 128 and K of 512 (cuBLAS wants the weight scales' K blocks a multiple of
-    4), a weight of 16-byte-aligned rows, contiguous weight scales."""
+    padded to a multiple of FP8_CUBLAS_ROWS): from the table's ``fp8_cublas_min_rows``
+    where it runs (has_cublas_fp8_blocks), faster than our TMA kernel on Gemma-2B's down
+    projection at prefill sizes (its K blocks' scaling overlaps the MMAs, where ours waits
+    for each; docs/decisions/0008-fp8-prefill-cublas.md). Without a bias, a 16-bit
+    output, N a multiple of 128 and K of 512 (cuBLAS wants the weight scales' K blocks a
+    multiple of 4), a weight of 16-byte-aligned rows, contiguous weight scales."""
     N, K = b.shape
     return (
         M >= table(b.device).fp8_cublas_min_rows

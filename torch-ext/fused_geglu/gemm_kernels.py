@@ -172,29 +172,33 @@ def split_k_reduce(
     """Stores this program's partial tile(s) in the workspace and counts it in; the last of
     the tile's SPLIT_K programs gets the sums over the slices, in slice order, and
     ``is_last``. It also resets the tile's counter, so the counters are zero again for the
-    next launch (in CUDA graphs too)."""
-    accs: tl.constexpr = 2 if GATED else 1
-    size: tl.constexpr = BLOCK_M * BLOCK_N
-    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    ws_tile = ws_ptr + tile.to(tl.int64) * (SPLIT_K * accs * size)
-    tl.store(ws_tile + split * (accs * size) + offs, acc1)
-    if GATED:
-        tl.store(ws_tile + split * (accs * size) + size + offs, acc2)
-    # Every thread's stores, then one release at GPU scope; the last program's acquire
-    # makes all slices visible to it (loads through L2: .cg).
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
-    is_last = arrived == SPLIT_K - 1
-    if is_last:
-        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            acc1 += tl.load(ws_tile + s * (accs * size) + offs, cache_modifier=".cg")
-            if GATED:
-                acc2 += tl.load(
-                    ws_tile + s * (accs * size) + size + offs, cache_modifier=".cg"
+    next launch (in CUDA graphs too). SPLIT_K 1: the accumulators as they are, is_last."""
+    is_last = True
+    if SPLIT_K > 1:
+        accs: tl.constexpr = 2 if GATED else 1
+        size: tl.constexpr = BLOCK_M * BLOCK_N
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ws_tile = ws_ptr + tile.to(tl.int64) * (SPLIT_K * accs * size)
+        tl.store(ws_tile + split * (accs * size) + offs, acc1)
+        if GATED:
+            tl.store(ws_tile + split * (accs * size) + size + offs, acc2)
+        # Every thread's stores, then one release at GPU scope; the last program's acquire
+        # makes all slices visible to it (loads through L2: .cg).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
+        is_last = arrived == SPLIT_K - 1
+        if is_last:
+            acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc1 += tl.load(
+                    ws_tile + s * (accs * size) + offs, cache_modifier=".cg"
                 )
-        tl.atomic_xchg(counters_ptr + tile, 0)
+                if GATED:
+                    acc2 += tl.load(
+                        ws_tile + s * (accs * size) + size + offs, cache_modifier=".cg"
+                    )
+            tl.atomic_xchg(counters_ptr + tile, 0)
     return acc1, acc2, is_last
 
 
@@ -287,12 +291,9 @@ def gemm_kernel(
 
     if BIAS_GRAD and pid_n == 0:  # (SPLIT_K == 1)
         tl.store(bias_grad_ptr + offs_m, row_sum, mask=mask_m)
-    if SPLIT_K > 1:
-        acc1, acc2, is_last = split_k_reduce(
-            acc1, acc2, ws_ptr, counters_ptr, tile, split, GATED, SPLIT_K, BLOCK_M, BLOCK_N
-        )  # fmt: skip
-    else:
-        is_last = True
+    acc1, acc2, is_last = split_k_reduce(
+        acc1, acc2, ws_ptr, counters_ptr, tile, split, GATED, SPLIT_K, BLOCK_M, BLOCK_N
+    )
     if is_last:
         out = epilogue(
             acc1, acc2, offs_m, offs_n, M, N, bias_ptr, bias_up_ptr, stride_bias,
@@ -428,6 +429,23 @@ def one_launch_step(x_ptrs, g_ptrs, u_ptrs, mask_m, mask_i, offs_k, k_left,
 
 
 @triton.jit
+def one_launch_down_tile(d_ptrs, offs_n, mask_i, n_left):
+    """A down-projection step's W_down tile ([BLOCK_I, BLOCK_N] of the program's rows of
+    h) and its column mask (``n_left``: the output columns from this step on)."""
+    mask_n = offs_n < n_left
+    return tl.load(d_ptrs, mask=mask_i[:, None] & mask_n[None, :], other=0.0), mask_n
+
+
+@triton.jit
+def add_to_sums(sums_ptrs, part, mask_m, mask_n):
+    """Adds a program's [M, BLOCK_N] partial down product into the fp32 sums (relaxed
+    atomics: read_back_sums orders them)."""
+    tl.atomic_add(
+        sums_ptrs, part, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed"
+    )
+
+
+@triton.jit
 def read_back_sums(
     sums_ptr, arrivals_ptr, bias_down_ptr, out_ptr, offs_m, mask_m, N, stride_bias_down,
     stride_om, stride_on, dtype: tl.constexpr, HAS_DOWN_BIAS: tl.constexpr,
@@ -540,14 +558,11 @@ def one_launch_mlp_kernel(
     d_ptrs = w_down_ptr + offs_n[None, :] * stride_dn + offs_i[:, None] * stride_dk
     sums_ptrs = sums_ptr + offs_m[:, None] * N + offs_n[None, :]
     for n in range(tl.cdiv(N, BLOCK_N)):
-        mask_n = offs_n < N - n * BLOCK_N
-        w_down = tl.load(d_ptrs, mask=mask_i[:, None] & mask_n[None, :], other=0.0)
+        w_down, mask_n = one_launch_down_tile(d_ptrs, offs_n, mask_i, N - n * BLOCK_N)
         part = dot(
             h, w_down, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), INPUT_PRECISION
         )
-        tl.atomic_add(
-            sums_ptrs, part, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed"
-        )
+        add_to_sums(sums_ptrs, part, mask_m, mask_n)
         d_ptrs += BLOCK_N * stride_dn
         sums_ptrs += BLOCK_N
     read_back_sums(

@@ -36,10 +36,12 @@ import triton.language as tl
 from ..activation import geglu_tile
 from ..gemm_kernels import (
     DOT_IN_FP32,
+    add_to_sums,
     dot,
     epilogue,
     grouped_tile,
     k_step_masks,
+    one_launch_down_tile,
     one_launch_operands,
     one_launch_step,
     read_back_sums,
@@ -288,12 +290,9 @@ def gemm_fp8_kernel(
     elif SWAP_AB:
         acc1 = acc1.T
         acc2 = acc2.T
-    if SPLIT_K > 1:
-        acc1, acc2, is_last = split_k_reduce(
-            acc1, acc2, ws_ptr, counters_ptr, tile, split, GATED, SPLIT_K, BLOCK_M, BLOCK_N
-        )  # fmt: skip
-    else:
-        is_last = True
+    acc1, acc2, is_last = split_k_reduce(
+        acc1, acc2, ws_ptr, counters_ptr, tile, split, GATED, SPLIT_K, BLOCK_M, BLOCK_N
+    )
     if is_last:
         out = epilogue(
             acc1, acc2, offs_m, offs_n, M, N, bias_ptr, bias_up_ptr, stride_bias,
@@ -494,8 +493,7 @@ def one_launch_mlp_fp8_kernel(
     d_ptrs = w_down_ptr + offs_n[None, :] * stride_dn + offs_i[:, None] * stride_dk
     sums_ptrs = sums_ptr + offs_m[:, None] * N + offs_n[None, :]
     for n in range(tl.cdiv(N, BLOCK_N)):
-        mask_n = offs_n < N - n * BLOCK_N
-        w_down = tl.load(d_ptrs, mask=mask_i[:, None] & mask_n[None, :], other=0.0)
+        w_down, mask_n = one_launch_down_tile(d_ptrs, offs_n, mask_i, N - n * BLOCK_N)
         down_scale = tl.load(
             down_scale_ptr + n * stride_dsn + tl.program_id(0) * stride_dsk
         )
@@ -504,9 +502,7 @@ def one_launch_mlp_fp8_kernel(
             h, w_down, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), h_scale,
             down_scale, INPUT_PRECISION, True,
         ).T  # fmt: skip
-        tl.atomic_add(
-            sums_ptrs, part, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed"
-        )
+        add_to_sums(sums_ptrs, part, mask_m, mask_n)
         d_ptrs += BLOCK_N * stride_dn
         sums_ptrs += BLOCK_N
     read_back_sums(

@@ -74,7 +74,9 @@ def one_launch_mlp(
         None if bias_down is None else bias_down.stride(0),
         *_scale_strides(scales),
     )  # fmt: skip
-    grid, launcher = _plan(M, H, I, N, x.dtype, x.device, activation, strides, scales)
+    grid, launcher = _plan(
+        M, H, I, N, x.dtype, x.device, activation, strides, scales is not None
+    )
     sums, arrivals = stream_scratch(_SCRATCH, x.device, M * N, 1, True)
     launcher(
         grid, x, w_gate, w_up, w_down, bias_gate, bias_up, bias_down, out, sums,
@@ -100,10 +102,11 @@ def _scale_strides(scales: tuple | None) -> tuple:
     return () if scales is None else (*scales[0].stride(), *scales[2].stride())
 
 
-def _plan(M, H, I, N, dtype, device, activation: int, strides: tuple, fp8) -> tuple:
+def _plan(
+    M, H, I, N, dtype, device, activation: int, strides: tuple, fp8: bool
+) -> tuple:
     """(grid, launcher); ``strides``: the kernel's stride arguments, None for an absent
     bias; ``fp8``: whether the weights are e4m3 (their scales' strides end ``strides``)."""
-    fp8 = fp8 is not None
     key = (M, H, I, N, dtype, device, activation, strides)
     plan = _PLANS.get(key)
     if plan is None:
@@ -138,7 +141,7 @@ class OneLaunchMLP:
     allocates the output and launches."""
 
     __slots__ = ("activation", "addresses", "device", "device_index", "device_type",
-                 "dtype", "fp8", "hidden", "operands", "plans", "scales", "sizes",
+                 "dtype", "hidden", "operands", "plans", "scales", "sizes",
                  "strides", "weights_need_grad")  # fmt: skip
 
     def __init__(self, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: int,
@@ -147,7 +150,6 @@ class OneLaunchMLP:
         (I, H), N = w_gate.shape, w_down.shape[0]
         self.operands = (w_gate, w_up, w_down, b_gate, b_up, b_down)
         self.scales = scales or ()
-        self.fp8 = scales
         # The operands' and scales' addresses, for the direct launch, where all are
         # 16-byte aligned (None otherwise): valid while the route stands (it watches
         # their data pointers), the tensors kept alive by ``operands`` and ``scales``.
@@ -209,7 +211,7 @@ class OneLaunchMLP:
         plan = self.plans.get(M)
         if plan is None:
             fixed = (self.dtype, self.device, self.activation, (H, 1, *self.strides))
-            plan = self.plans[M] = _plan(M, H, I, N, *fixed, self.fp8)
+            plan = self.plans[M] = _plan(M, H, I, N, *fixed, bool(self.scales))
         grid, launcher = plan
         sums, arrivals = stream_scratch(
             _SCRATCH, self.device, M * N, 1, True, capturing=False, stream=stream

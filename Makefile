@@ -28,11 +28,18 @@ test: build
 demo: build
 	$(PY) scripts/demo.py
 
-# Kernels compiled on the CPU for the GPU (docs/precompiled.md) into
-# torch-ext/fused_geglu/precompiled/, then shipped by a new build; e.g.
-# `make precompile ARGS="--arch 90 --arch 100"`.
+# Kernels compiled on the CPU for the GPU (docs/precompiled.md), for each Triton torch ships
+# (each wheel installed once under .triton/, beside this venv's torch) and every target in
+# scripts/precompile.py's GPUS, into torch-ext/fused_geglu/precompiled/; the build then
+# ships them. E.g. `make precompile PRECOMPILE_TRITONS=3.9.0 PRECOMPILE_ARGS="--arch 90"`.
+PRECOMPILE_TRITONS ?= 3.6.0 3.7.1 3.8.0 3.9.0
 precompile: build
-	env -u TRITON_INTERPRET $(PY) scripts/precompile.py $(ARGS)
+	for v in $(PRECOMPILE_TRITONS); do \
+	  test -d .triton/$$v/triton || \
+	    $(PY) -m pip install -q --no-deps --target .triton/$$v triton==$$v || exit 1; \
+	  env -u TRITON_INTERPRET PYTHONPATH=.triton/$$v $(PY) scripts/precompile.py $(PRECOMPILE_ARGS) \
+	    || exit 1; \
+	done
 	$(PY) scripts/build.py
 
 # Profiling report into benchmarks/out/; e.g. `make report ARGS="--tokens 1 64"`.
@@ -47,8 +54,9 @@ e2e: build
 results: $(STAMP)
 	$(PY) scripts/render_results.py
 
-# Builds, checks and uploads to the Hub; `make upload ARGS=--dry-run` sends nothing.
-upload: $(STAMP)
+# Builds (with the precompiled kernels), checks and uploads to the Hub;
+# `make upload ARGS=--dry-run` sends nothing.
+upload: precompile
 	$(PY) scripts/upload.py $(ARGS)
 
 lint: $(STAMP)

@@ -3,11 +3,11 @@ folder (docs/precompiled.md): `make precompile` (after `make build`), then `make
 again ships them in build/torch-cuda/.
 
 The launches are not written out by hand: the package (build/torch-cuda, imported as on a
-GPU machine, without TRITON_INTERPRET) runs its own host code on CPU tensors for each
-launch table (H100, H200), dtype, model shape and token count, with ``Launcher.__call__``
-replaced by a recorder. Each recorded launch is specialised as JITFunction.run would
-(precompiled.specialize) for each target and compiled once per distinct key, in forked
-workers. Covered: the inference forward (one-launch decode MLP for up to 16 tokens, the
+GPU machine, without TRITON_INTERPRET) runs its own host code on CPU tensors as each
+target's GPUs would (GPUS: launch table, SM count, TMA), for each dtype, model shape and
+token count, with ``Launcher.__call__`` replaced by a recorder. Each recorded launch is
+specialised as JITFunction.run would (precompiled.specialize) for its target and
+compiled once per distinct key, in forked workers. Covered: the inference forward (one-launch decode MLP for up to 16 tokens, the
 gated GEMM and the down GEMM beyond, through TMA where the route takes it) and the
 elementwise GeGLU (forward and backward; contiguous, and the halves of a [M, 2I]
 projection). Not covered: training's GEMMs (dact, bias gradients, accumulate), FP8.
@@ -32,6 +32,8 @@ TOKENS = (
     *range(1, 17),
     17,
     32,
+    33,
+    48,
     64,
     65,
     100,
@@ -56,10 +58,28 @@ def load_package(tree: Path):
     return fg
 
 
-def record_launches(fg, tables, dtypes, models, tokens, on_launch, smoke=False) -> int:
-    """Runs the host code, handing ``on_launch(kernel, args, kwargs)`` every Launcher call
-    it makes (as kernel[grid](*args, **kwargs) would receive it) instead of launching;
-    returns their number. The package's state is restored after."""
+# The GPUs each target's artifacts serve, as the route sees them: (launch table, SM count,
+# TMA kernels). sm_90: the H100's and H200's own tables; other GPUs take the default
+# table (tuning._nearest), with TMA on Blackwell data-center GPUs only (launch.has_tma);
+# the SM count changes the split-K choices of few-token GEMMs.
+GPUS = {
+    90: (("NVIDIA H100 80GB HBM3", 132, True), ("NVIDIA H200", 132, True)),
+    100: ((None, 148, True),),  # B200
+    80: ((None, 108, False),),  # A100
+    89: ((None, 128, False), (None, 142, False)),  # RTX 4090, L40S
+    120: ((None, 170, False),),  # RTX 5090
+}
+
+
+def record_launches(
+    fg, gpus, dtypes, models, tokens, on_launch, smoke=False, libdevice=None
+) -> int:
+    """Runs the host code for each of ``gpus`` (GPUS' entries; None: the default table),
+    handing ``on_launch(kernel, args, kwargs)`` every Launcher call it makes (as
+    kernel[grid](*args, **kwargs) would receive it) instead of launching; returns their
+    number. ``libdevice``: the CUDA toolkit's that launch.py would link (TOOLKIT_LIBDEVICE)
+    where one matching torch's CUDA is installed; None: Triton's own. The package's state
+    is restored after."""
     import torch
 
     launch = fg.launch
@@ -78,16 +98,15 @@ def record_launches(fg, tables, dtypes, models, tokens, on_launch, smoke=False) 
     launch.Launcher.__call__ = record
     launch.Launcher.launch_aligned = lambda self, *a: False
     launch.current_device_and_stream = lambda: (0, 0)
-    # the CUDA compile options, as launch.py sets them on a CUDA torch (Triton's own
-    # libdevice: TOOLKIT_LIBDEVICE found none; see docs/precompiled.md)
+    # the CUDA compile options, as launch.py sets them on a CUDA torch
     launch.COMPILE_OPTIONS = {"enable_fp_fusion": True, "enable_reflect_ftz": False}
-    launch._SM_COUNT[cpu] = 132
-    launch._HAS_TMA[cpu] = True
+    if libdevice:
+        launch.COMPILE_OPTIONS["extern_libs"] = {"libdevice": libdevice}
     tuning, gemm, act = fg.tuning, fg.gemm, fg.gemm.GELU_TANH
     try:
-        for table in tables:
-            tuning.set_table(cpu, tuning.SHIPPED[table])
-            launch.clear_plans()
+        for table, sms, tma in gpus:
+            launch._SM_COUNT[cpu], launch._HAS_TMA[cpu] = sms, tma
+            tuning.set_table(cpu, tuning.SHIPPED[table] if table else tuning.DEFAULT)
             for dtype in dtypes:
                 for H, I in models:
                     w_gate, w_up = (torch.empty(I, H, dtype=dtype) for _ in range(2))
@@ -102,7 +121,9 @@ def record_launches(fg, tables, dtypes, models, tokens, on_launch, smoke=False) 
                         if smoke:
                             continue
                         h = torch.empty(M, I, dtype=dtype)
-                        gemm.gemm_gated(x, w_gate, w_up, h, act)
+                        # both orders in memory: the TMA kernel's UP_FIRST
+                        for first, second in ((w_gate, w_up), (w_up, w_gate)):
+                            gemm.gemm_gated(x, first, second, h, act)
                         gemm.gemm(h, w_down, out)
                         proj = torch.empty(M, 2 * I, dtype=dtype)
                         gate, up = proj[:, :I], proj[:, I:]
@@ -142,11 +163,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--tree", type=Path, default=ROOT / "build" / "torch-cuda")
-    parser.add_argument("--arch", type=int, action="append", help="default: 90")
-    parser.add_argument("--table", action="append", help="default: the shipped tables")
+    parser.add_argument("--arch", type=int, action="append", choices=sorted(GPUS),
+                        help="default: every target in GPUS")  # fmt: skip
+    parser.add_argument("--table", action="append",
+                        help="sm_90 only: these launch tables (default: GPUS')")  # fmt: skip
     parser.add_argument("--dtype", action="append", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--model", action="append", help="HxI, e.g. 2048x16384")
     parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    parser.add_argument("--libdevice", action="append", default=[],
+                        help="also for this CUDA toolkit's libdevice.10.bc (launch.py "
+                        "links the toolkit's where it matches torch's CUDA)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true",
                         help="the decode MLP only (tests)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=os.cpu_count())
@@ -161,9 +187,11 @@ def main(argv=None) -> int:
     precompiled = fg.precompiled
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     dtypes = [names[d] for d in args.dtype or ("bf16", "fp16")]
-    tables = args.table or sorted(fg.tuning.SHIPPED)
     models = [tuple(int(v) for v in m.split("x")) for m in args.model or ()] or MODELS
-    targets = [GPUTarget("cuda", arch, 32) for arch in args.arch or (90,)]
+    gpus = dict(GPUS)
+    if args.table:
+        gpus[90] = tuple((table, 132, True) for table in args.table)
+    archs = args.arch or sorted(GPUS)
 
     start = time.perf_counter()
     from triton._C.libtriton import get_cache_invalidating_env_vars
@@ -172,18 +200,22 @@ def main(argv=None) -> int:
     if env_vars:
         print(f"precompile: note, compiling under {env_vars} (part of the key)")
     seen = set()
+    launches = 0
+    for arch in archs:
+        target = GPUTarget("cuda", arch, 32)
 
-    def on_launch(kernel, call_args, kwargs):
-        for target in targets:
+        def on_launch(kernel, call_args, kwargs, target=target):
             src, options, _ = precompiled.specialize(kernel, target, call_args, kwargs)
             key = precompiled.artifact_key(src, options, target, env_vars)
             if key not in seen:
                 seen.add(key)
                 _JOBS.append((src, options, target, str(args.out)))
 
-    launches = record_launches(
-        fg, tables, dtypes, models, args.tokens, on_launch, args.smoke
-    )
+        for libdevice in (None, *args.libdevice):
+            launches += record_launches(
+                fg, gpus[arch], dtypes, models, args.tokens, on_launch, args.smoke,
+                libdevice,
+            )  # fmt: skip
     print(
         f"precompile: {launches} launches recorded, {len(_JOBS)} distinct compilations"
     )
@@ -196,13 +228,14 @@ def main(argv=None) -> int:
     total = sum(r.get("bytes", 0) for r in results)
     report = {
         "triton": precompiled.triton.__version__,
-        "targets": [t.arch for t in targets],
-        "tables": tables,
+        "gpus": {arch: gpus[arch] for arch in archs},
         "dtypes": [str(d) for d in dtypes],
         "models": models,
+        "libdevices": args.libdevice,
         "compiled": len(results) - len(failed),
         "failed": failed,
         "bytes": total,
+        "cubin_bytes": sum(r.get("cubin_bytes", 0) for r in results),
         "seconds": round(time.perf_counter() - start, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)

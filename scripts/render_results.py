@@ -648,6 +648,50 @@ def compare_mlps(device: str) -> list[Path]:
     return sorted(by_triton.values(), key=version_key)
 
 
+def first_calls(device: str) -> list[Path]:
+    """The newest first-call run (benchmarks/first_call.py) of each Triton version on
+    ``device``, by version."""
+    by_triton = {raw(p)["env"]["triton"]: p for p in results("first-call", device)}
+    return sorted(by_triton.values(), key=version_key)
+
+
+FIRST_CALL_MODES = {
+    "eager": "eager",
+    "compile": "torch.compile",
+    "liger": "Liger",
+    "ours": "layer, precompiled",
+    "ours_jit": "layer, Triton's JIT",
+}
+
+
+def first_call_section(paths: list[Path]) -> list[str]:
+    """First calls in a fresh process with empty Triton and Inductor caches, per Triton
+    version: each token count's first call and the new token counts' sum, ms."""
+    lines = []
+    for path in paths:
+        result = raw(path)
+        tokens = [str(t) for t in result["tokens"]]
+        count = len(result["eager"]["new_sizes"])
+        lines += paragraph(
+            f"{stamp(result['env'])}: the first call of a fresh process with empty "
+            f"Triton and Inductor caches at each token count, then {count} new token "
+            f"counts (sum), Gemma-2B MLP, bf16, ms (`benchmarks/first_call.py`):"
+        )
+        rows = []
+        for mode, label in FIRST_CALL_MODES.items():
+            row = result.get(mode)
+            if not row or "error" in row:
+                continue
+            calls = row["first_call_ms"]
+            rows.append(
+                [label, *(f"{calls[t]:.1f}" for t in tokens), f"{row['new_sizes_total_ms']:.1f}",
+                 "yes" if row["triton_driver_started"] else "no"]
+            )  # fmt: skip
+        head = ["first call at", *tokens, f"{count} new", "Triton's driver started"]
+        lines += table(head, rows) + [""]
+    return lines
+
+
 def sweep_8192_section(paths: list[Path], brief: bool = False) -> list[str]:
     """The 8192-token GEMM sweeps by Triton version: our dual GEMM (gate and up) and down
     GEMM at the launch table's tiles against cuBLAS, and ``geglu_mlp`` against the eager
@@ -802,6 +846,8 @@ def render() -> str:
             lines += sweep_8192_section(paths)
         if path := newest("sweep-decode", gpu):
             lines += sweep_decode_section(path)
+        if paths := first_calls(gpu):
+            lines += first_call_section(paths)
         if path := newest("report", gpu):
             lines += report_section(path, load(path), link_root="../")
     return "\n".join(lines) + "\n"

@@ -195,7 +195,8 @@ def source_on_hub(repo_id: str) -> bool:
 
 def main_files(out: Path, repo_id: str) -> list[LocalFile]:
     """The card (build/CARD.md, as README.md), the documents it links and, where the
-    Hub repository is the source, what kernel-builder builds from."""
+    Hub repository is the source, what kernel-builder builds from (not the kernels
+    `make precompile` compiled: build products, shipped in the CUDA build)."""
     files = [LocalFile.read("README.md", out / "CARD.md")]
     files += [LocalFile.read(path, ROOT / path) for path in DOCS]
     if source_on_hub(repo_id):
@@ -205,6 +206,7 @@ def main_files(out: Path, repo_id: str) -> list[LocalFile]:
         files += [
             LocalFile.read(path.relative_to(ROOT).as_posix(), path)
             for path in source_files(src, pyext)
+            if path.relative_to(src).parts[0] != "precompiled"
         ]
     return files
 

@@ -160,14 +160,17 @@ def test_ids_unique_per_backend(built):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_variant_is_sources_plus_ops(built, backend):
-    """The package's files (subpackages too) as they are, plus _ops.py and metadata.json."""
+    """The package's files (subpackages too) as they are, plus _ops.py and metadata.json;
+    the CUDA kernels of `make precompile` (precompiled/) in the CUDA variant only."""
     variant = built / f"torch-{backend}"
     pyext = tomllib.loads((ROOT / "build.toml").read_text())["torch-noarch"]["pyext"]
     sources = {
         s.relative_to(SOURCES).as_posix(): s
         for e in pyext
         for s in SOURCES.rglob(f"*.{e}")
-        if s.name != "_ops.py" and "__pycache__" not in s.parts
+        if s.name != "_ops.py"
+        and "__pycache__" not in s.parts
+        and (backend == "cuda" or s.relative_to(SOURCES).parts[0] != "precompiled")
     }
     assert any(s.endswith(".json") for s in sources), "the tuning tables ship"
     files = {

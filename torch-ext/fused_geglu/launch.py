@@ -295,11 +295,7 @@ class Launcher:
             return False
         get_device, get_stream = _stream_getters()
         device = get_device()
-        try:
-            binary._init_handles()  # loads the cubin on the current device
-        except Exception:  # noqa: BLE001 (out of resources, a driver refusal: JIT)
-            return False
-        if binary.function is None:
+        if not binary.load(device):  # e.g. more shared memory than this GPU has
             return False
         self.device, self.stream = get_device, get_stream
         self.pointers, self.binary, self.binary_device = pointers, binary, device
@@ -410,10 +406,20 @@ def _drop_toolkit_libdevice(error: Exception) -> None:
 
 
 def _stream_getters() -> tuple:
-    """The active driver's current-device and current-stream getters, which
-    ``JITFunction.run`` launches with."""
-    driver = triton.runtime.driver.active
-    return driver.get_current_device, driver.get_current_stream
+    """The current-device and current-stream getters ``JITFunction.run`` launches with:
+    with torch loaded, Triton's CUDA and HIP drivers take torch's (GPUDriver), read here
+    without starting Triton's driver (whose first use compiles C: cubin.py)."""
+    if INTERPRETED or not (torch.version.cuda or torch.version.hip):
+        driver = triton.runtime.driver.active
+        return driver.get_current_device, driver.get_current_stream
+    try:
+        from torch._C import _cuda_getCurrentRawStream as get_stream
+    except ImportError:
+
+        def get_stream(device):
+            return torch.cuda.current_stream(device).cuda_stream
+
+    return torch.cuda.current_device, get_stream
 
 
 _CURRENT = []  # the active driver's (current device, current stream) getters, once read

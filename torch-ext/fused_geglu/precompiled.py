@@ -2,13 +2,15 @@
 call instead of Triton's compiler (docs/precompiled.md).
 
 An artifact is Triton's own output for one launch (its metadata JSON and cubin), stored
-under ``precompiled/<triton version>/<backend><arch>/<kernel name>/<key>.{json,cubin}``
+under ``precompiled/<triton version>/<backend><arch>/<kernel name>/<key>.{json,xz}``
+(the cubin, xz-compressed: a fifth of its size)
 beside this module. ``<key>`` is a SHA-256 over everything Triton's compiler reads,
 computed the same way at build time and at run time:
 
-- the Triton version and a fingerprint of its compiler binaries (libtriton's and the
-  bundled ptxas' sizes) and of user overrides of ptxas (TRITON_PTXAS_PATH ...);
-- the target (backend, arch, warp size: ``driver.active.get_current_target()``);
+- the Triton version, the sizes of its bundled ptxas binaries and any user override of
+  ptxas or libdevice (TRITON_PTXAS_PATH ...);
+- the target (backend, arch, warp size: what ``driver.active.get_current_target()``
+  reports, read from torch);
 - ``ASTSource.hash()`` of the launch, made by Triton's own binder and ``_pack_args`` from
   the launch's arguments: the kernel's ``cache_key`` (its source and every function and
   global it uses), the signature (dtypes), the constexprs, the specialisation attributes
@@ -19,16 +21,22 @@ computed the same way at build time and at run time:
 
 Anything else (another Triton or build of it, another GPU, a changed kernel, a launch not
 shipped, a compiler hook or override set, a Triton whose ``JITFunction.run`` was not
-checked against ``_RUN_KNOBS``) finds no file and the launcher compiles as before. Nothing
-here changes a Triton setting of the process (its cache directory, its knobs).
+checked against ``_RUN_KNOBS``) finds no file and the launcher compiles as before. A hit
+is loaded and launched by cubin.py, without Triton's driver: a fresh process with an
+empty Triton cache compiles nothing. Nothing here changes a Triton setting of the
+process (its cache directory, its knobs).
 """
 
 import hashlib
 import json
+import lzma
 import os
 import threading
 
+import torch
 import triton
+
+from . import cubin
 
 FORMAT = 1
 DIRNAME = "precompiled"
@@ -40,6 +48,7 @@ ENABLED = os.environ.get("FUSED_GEGLU_PRECOMPILED", "1") != "0"
 # launch, per Triton series: checked against each series' runtime/jit.py. A series not
 # listed never loads an artifact (its run() may add others, giving other options).
 _RUN_KNOBS = {
+    "3.6": ("debug", "instrumentation_mode"),
     "3.7": ("debug", "instrumentation_mode"),
     "3.8": ("debug", "instrumentation_mode"),
     "3.9": ("debug", "instrumentation_mode", "fpsan_homomorphic_casts"),
@@ -102,23 +111,22 @@ _TOOLCHAIN: list = []
 
 
 def toolchain() -> list:
-    """This Triton install's compiler, cheaply: its version, the sizes of libtriton and of
-    the bundled ptxas binaries (another build of one version differs), and any override
-    of the tools it runs. Hashing libtriton as Triton's cache key does costs ~0.3 s."""
+    """This Triton install's compiler, cheaply: its version, the sizes of its bundled
+    ptxas binaries, and any override of the tools it runs. libtriton is left out: one
+    release is built per Python version (another file, the same compiler), and hashing
+    it as Triton's cache key does costs ~0.3 s."""
     if not _TOOLCHAIN:
-        base = os.path.dirname(os.path.abspath(triton.__file__))
-        sizes = []
-        for folder in (
-            os.path.join(base, "_C"),
-            os.path.join(base, "backends", "nvidia", "bin"),
-        ):
-            try:
-                names = sorted(os.listdir(folder))
-            except OSError:
-                names = []
-            for name in names:
-                if name.startswith(("libtriton", "ptxas")):
-                    sizes.append([name, os.path.getsize(os.path.join(folder, name))])
+        folder = os.path.join(
+            os.path.dirname(os.path.abspath(triton.__file__)),
+            "backends",
+            "nvidia",
+            "bin",
+        )
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.startswith("ptxas"))
+        except OSError:
+            names = []
+        sizes = [[n, os.path.getsize(os.path.join(folder, n))] for n in names]
         _TOOLCHAIN.extend([triton.__version__, sizes])
     overrides = [[n, os.environ[n]] for n in _TOOL_OVERRIDES if os.environ.get(n)]
     return [*_TOOLCHAIN, overrides]
@@ -143,19 +151,25 @@ def target_dir(root: str, target, version: str = triton.__version__) -> str:
     return os.path.join(root, version, f"{target.backend}{target.arch}")
 
 
+def _hook_set(hook) -> bool:
+    """A hook is a function, or a chain of them (Triton 3.9: an empty chain calls none)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _compiler_watched() -> bool:
-    """Whether the user hooks, overrides or dumps Triton's compilations: then every
-    kernel goes through the compiler, as they expect."""
+    """Whether the user hooks, overrides or dumps Triton's compilations or kernel loads:
+    then every kernel goes through Triton, as they expect."""
     knobs = triton.knobs
     try:
+        runtime, compilation = knobs.runtime, knobs.compilation
+        hooks = ("jit_cache_hook", "jit_post_compile_hook", "add_stages_inspection_hook",
+                 "kernel_load_start_hook", "kernel_load_end_hook")  # fmt: skip
         return bool(
-            knobs.compilation.always_compile
-            or knobs.compilation.override
-            or knobs.compilation.dump_ir
-            or getattr(knobs.compilation, "listener", None)
-            or knobs.runtime.jit_cache_hook
-            or knobs.runtime.jit_post_compile_hook
-            or knobs.runtime.add_stages_inspection_hook
+            compilation.always_compile
+            or compilation.override
+            or compilation.dump_ir
+            or getattr(compilation, "listener", None)
+            or any(_hook_set(getattr(runtime, name, None)) for name in hooks)
         )
     except AttributeError:
         return True
@@ -177,16 +191,26 @@ def _listing(folder: str) -> frozenset:
     return names
 
 
-def find(kernel, args: tuple, kwargs: dict, target=None, root: str = ROOT):
-    """The compiled kernel (a triton CompiledKernel, its handles not loaded yet) that
-    ``kernel[grid](*args, **kwargs)`` would compile on ``target`` (default: the current
-    device's), where ``root`` holds its artifact; None otherwise (the caller compiles).
-    Never raises."""
+def current_target():
+    """The current CUDA device's compile target, as Triton's driver reports it (without
+    starting that driver: precompiled kernels run without it, cubin.py)."""
+    from triton.backends.compiler import GPUTarget
+
+    major, minor = torch.cuda.get_device_capability()
+    return GPUTarget("cuda", major * 10 + minor, 32)
+
+
+def find(kernel, args: tuple, kwargs: dict, target=None, root: str | None = None):
+    """The kernel (a cubin.CubinKernel, not loaded yet) that ``kernel[grid](*args,
+    **kwargs)`` would compile on ``target`` (default: the current CUDA device's), where
+    ``root`` (default ROOT) holds its artifact and cubin.py can launch it; None otherwise
+    (the caller compiles). Never raises."""
     if not ENABLED:
         return None
     try:
+        root = root or ROOT
         if target is None:
-            target = triton.runtime.driver.active.get_current_target()
+            target = current_target()
         if target.backend != "cuda" or series() not in _RUN_KNOBS:
             return None
         folder = os.path.join(target_dir(root, target), kernel.__name__)
@@ -194,27 +218,25 @@ def find(kernel, args: tuple, kwargs: dict, target=None, root: str = ROOT):
         if not names or _compiler_watched():
             return None
         from triton._C.libtriton import get_cache_invalidating_env_vars
-        from triton.compiler import CompiledKernel
 
         src, options, _ = specialize(kernel, target, args, kwargs)
         key = artifact_key(src, options, target, get_cache_invalidating_env_vars())
-        if f"{key}.json" not in names or f"{key}.cubin" not in names:
+        if f"{key}.json" not in names or f"{key}.xz" not in names:
             return None
-        meta, cubin = (
-            os.path.join(folder, f"{key}.{ext}") for ext in ("json", "cubin")
-        )
-        with open(meta) as f:
-            stored = json.load(f)
+        path = os.path.join(folder, key)
+        with open(f"{path}.json") as f:
+            meta = json.load(f)
         if (
-            stored.get("fused_geglu_key") != key
-            or stored.get("triton_version") != triton.__version__
-            or stored.get("target", {}).get("arch") != target.arch
-            or stored.get("name") != src.name
+            meta.get("fused_geglu_key") != key
+            or meta.get("triton_version") != triton.__version__
+            or meta.get("target", {}).get("arch") != target.arch
+            or meta.get("name") != src.name
+            or cubin.refusal(src.signature, meta) is not None
         ):
             return None
-        return CompiledKernel(
-            src, {f"{src.name}.json": meta, f"{src.name}.cubin": cubin}, key
-        )
+        with open(f"{path}.xz", "rb") as f:
+            binary = lzma.decompress(f.read())
+        return cubin.CubinKernel(key, src.signature, meta, binary)
     except Exception:  # noqa: BLE001 (any mismatch of this Triton's API: JIT)
         return None
 
@@ -233,14 +255,15 @@ def compile_artifact(src, options, target, root: str) -> dict:
     with open(meta_path) as f:
         meta = json.load(f)
     meta["fused_geglu_key"] = key
-    cubin = binary.asm["cubin"]
-    with open(os.path.join(folder, f"{key}.cubin"), "wb") as f:
-        f.write(cubin)
+    packed = lzma.compress(binary.asm["cubin"], preset=9 | lzma.PRESET_EXTREME)
+    with open(os.path.join(folder, f"{key}.xz"), "wb") as f:
+        f.write(packed)
     text = json.dumps(meta, sort_keys=True)
     with open(os.path.join(folder, f"{key}.json"), "w") as f:
         f.write(text)
     return {
         "key": key,
         "file": os.path.join(folder, key),
-        "bytes": len(cubin) + len(text),
+        "bytes": len(packed) + len(text),
+        "cubin_bytes": len(binary.asm["cubin"]),
     }

@@ -67,9 +67,10 @@ def child(mode: str, tokens: list[int], count: int, outputs: Path) -> dict:
         fn = ours.layers.GeGLUMLP.forward.__get__(mlp)
     else:
         fn = mlp
+    sizes = new_sizes(count, tokens)
     inputs = {
         t: torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        for t in (*tokens, *new_sizes(count, tokens))
+        for t in (*tokens, *sizes)
     }
     torch.cuda.synchronize()
 
@@ -85,7 +86,6 @@ def child(mode: str, tokens: list[int], count: int, outputs: Path) -> dict:
 
     results = {}
     first_ms = {t: first(t) for t in tokens}
-    sizes = new_sizes(count, tokens)
     new_ms = [first(t) for t in sizes]
     torch.save(results, outputs)
     import triton

@@ -115,14 +115,17 @@ def refusal(signature: dict, meta: dict) -> str | None:
         return "scratch memory"
     if meta.get("instrumentation_mode"):
         return "instrumentation"
+    types = list(signature.values())
+    if not all(isinstance(ty, str) for ty in types):
+        return "a tuple parameter"
     descriptors = meta.get("tensordesc_meta") or ()
-    for ty in signature.values():
-        if not isinstance(ty, str):
-            return "a tuple parameter"
-        if ty.startswith("tensordesc") and not descriptors:
-            return "a descriptor without metadata"
-        if not (ty == "constexpr" or ty[0] == "*" or ty in _SCALARS) and not (
-            ty.startswith("tensordesc")
+    if sum(ty.startswith("tensordesc") for ty in types) != len(descriptors):
+        return "descriptors without their metadata"
+    for ty in types:
+        if not (
+            ty in ("constexpr", *_SCALARS)
+            or ty[0] == "*"
+            or ty.startswith("tensordesc")
         ):
             return f"a {ty} parameter"
     if any(d.get("fp4_padded") or d.get("is_im2col") for d in descriptors):

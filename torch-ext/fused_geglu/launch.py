@@ -8,8 +8,8 @@ each int's class: == 1, % 16 == 0, 32- or 64-bit). A ``Launcher`` serves argumen
 such specialisation (its owner keys launchers by dtypes, shapes and strides, in a bounded
 ``BoundedCache``): its first call loads the kernel compiled at build time for exactly
 that launch where the build ships one (precompiled.py), else goes through
-``kernel[grid]``; later ones hand the
-compiled kernel's launcher what ``JITFunction.run`` would. Misaligned pointers, launch hooks
+``kernel[grid]``; later ones hand the compiled kernel's launcher what ``JITFunction.run``
+would. Misaligned pointers, launch hooks
 (proton), the interpreter, and a Triton whose launcher refuses those arguments take
 ``kernel[grid]`` every time.
 """
@@ -232,7 +232,7 @@ class Launcher:
         # the device the compiled kernel was loaded on (a CUDA function is per device)
         self.binary_device = None
         self.pointers = ()  # positions of the tensor arguments
-        # The active driver's current-device and -stream getters, as JITFunction.run's.
+        # The current-device and -stream getters JITFunction.run launches with.
         self.device = self.stream = None
         # whether the first call looked for a precompiled kernel (precompiled.py)
         self.looked_up = False
@@ -422,7 +422,7 @@ def _stream_getters() -> tuple:
     return torch.cuda.current_device, get_stream
 
 
-_CURRENT = []  # the active driver's (current device, current stream) getters, once read
+_CURRENT = []  # the (current device, current stream) getters, once read
 
 
 def current_device_and_stream() -> tuple[int, int]:

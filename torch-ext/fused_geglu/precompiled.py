@@ -1,10 +1,9 @@
 """Kernels compiled at build time (``make precompile``), loaded by a ``Launcher``'s first
 call instead of Triton's compiler (docs/precompiled.md).
 
-An artifact is Triton's own output for one launch (its metadata JSON and cubin), stored
-under ``precompiled/<triton version>/<backend><arch>/<kernel name>/<key>.{json,xz}``
-(the cubin, xz-compressed: a fifth of its size)
-beside this module. ``<key>`` is a SHA-256 over everything Triton's compiler reads,
+An artifact is Triton's own output for one launch (its metadata JSON and its cubin,
+xz-compressed to a fifth of its size), stored beside this module under
+``precompiled/<triton version>/<backend><arch>/<kernel name>/<key>.{json,xz}``. ``<key>`` is a SHA-256 over everything Triton's compiler reads,
 computed the same way at build time and at run time:
 
 - the Triton version, the sizes of its bundled ptxas binaries and any user override of
@@ -19,7 +18,7 @@ computed the same way at build time and at run time:
   libdevice *content*, debug, ptxas options, TRITON_OVERRIDE_ARCH ...);
 - Triton's cache-invalidating environment variables.
 
-Anything else (another Triton or build of it, another GPU, a changed kernel, a launch not
+Anything else (another Triton version or ptxas, another GPU, a changed kernel, a launch not
 shipped, a compiler hook or override set, a Triton whose ``JITFunction.run`` was not
 checked against ``_RUN_KNOBS``) finds no file and the launcher compiles as before. A hit
 is loaded and launched by cubin.py, without Triton's driver: a fresh process with an

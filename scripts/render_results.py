@@ -689,7 +689,32 @@ def first_call_section(paths: list[Path]) -> list[str]:
             )  # fmt: skip
         head = ["first call at", *tokens, f"{count} new", "Triton's driver started"]
         lines += table(head, rows) + [""]
+        if generate := result.get("generate"):
+            lines += generate_lines(generate)
     return lines
+
+
+def generate_lines(generate: dict) -> list[str]:
+    """The first greedy generate() of the Gemma-2B-shaped model, each mode in its own fresh
+    process, and the median of three after it."""
+    lines = paragraph(
+        f"The first greedy `generate()` of a fresh process ({generate['prompt_tokens']}"
+        f"-token prompt, {generate['new_tokens']} new tokens, the Gemma-2B-shaped "
+        f"GemmaForCausalLM of `benchmarks/e2e.py`, random weights), then the median of "
+        f"three more, ms:"
+    )
+    rows = []
+    for mode, label in FIRST_CALL_MODES.items():
+        row = generate.get(mode)
+        if not row or "error" in row:
+            continue
+        equal = row.get("tokens_equal_eager")
+        rows.append(
+            [label, f"{row['first_generate_ms']:.0f}", f"{row['warm_generate_ms']:.0f}",
+             "-" if equal is None or mode == "eager" else ("yes" if equal else "no")]
+        )  # fmt: skip
+    head = ["model", "first generate()", "later (median)", "tokens equal eager's"]
+    return lines + table(head, rows) + [""]
 
 
 def sweep_8192_section(paths: list[Path], brief: bool = False) -> list[str]:

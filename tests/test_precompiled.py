@@ -115,7 +115,13 @@ pre.series = real_series
 pre.ENABLED = False
 res["disabled"] = pre.find(kernel, args, kwargs, target=T90, root=out)
 pre.ENABLED = True
-res["hit_again"] = pre.find(kernel, args, kwargs, target=T90, root=out) is not None
+# an artifact is read once per process: each later find of it (another launcher of the
+# same specialisation) gets its own kernel object (a module per device) from memory
+if binary is not None:
+    with open(os.path.join(folder, binary.key + ".xz"), "wb") as f:
+        f.write(b"not read again")
+again = pre.find(kernel, args, kwargs, target=T90, root=out)
+res["hit_again"] = again is not None and again is not binary and again.cubin == binary.cubin
 os.rename(os.path.join(out, pre.triton.__version__), os.path.join(out, "3.8.0"))
 pre._LISTINGS.clear()
 res["other_version"] = pre.find(kernel, args, kwargs, target=T90, root=out)
@@ -346,6 +352,8 @@ res = {
     "lookups": list(lookups),  # before the JIT pass below
     "triton_driver_started": triton.runtime.driver._active is not None,
     "triton_cache_files_added": cache_files() - compiled_here,
+    # cuBLAS set up for the module's dtype at its first call (launch.prepare_cublas)
+    "cublas_prepared": [[str(d), str(t)] for d, t in fg.launch._CUBLAS_READY],
 }
 pre.ENABLED = False  # Triton's JIT from here on, for new launchers
 fg.launch.clear_plans()
@@ -362,7 +370,8 @@ def test_fresh_process_runs_precompiled_kernels_without_triton(tmp_path):
     """In a fresh process, a layer whose launches were all precompiled (on the CPU)
     compiles nothing (Triton's cache unchanged) and never starts Triton's driver (whose
     first use compiles C), and gives what Triton's JIT gives: bit for bit at 100 tokens,
-    and within the reordered fp32 additions of the one-launch decode MLP at 1 token."""
+    and within the reordered fp32 additions of the one-launch decode MLP at 1 token. Its
+    first call set cuBLAS up for the module's dtype (launch.prepare_cublas)."""
     done = run_python(
         f"import sys; sys.argv = ['', {str(tmp_path / 'pre')!r}, {str(ROOT)!r}]\n"
         + _FRESH_GPU_PROCESS,
@@ -376,5 +385,6 @@ def test_fresh_process_runs_precompiled_kernels_without_triton(tmp_path):
     assert all(hit for _, hit in res["lookups"]), res
     assert not res["triton_driver_started"], res
     assert res["triton_cache_files_added"] == 0, res
+    assert res["cublas_prepared"] == [["cuda:0", "torch.bfloat16"]], res
     assert res["bitwise_100"], res
     assert res["max_diff_1"] <= 2**-7 * res["scale_1"], res

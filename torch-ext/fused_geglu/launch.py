@@ -14,6 +14,7 @@ would. Misaligned pointers, launch hooks
 ``kernel[grid]`` every time.
 """
 
+import contextlib
 import json
 import os
 import threading
@@ -28,6 +29,12 @@ from . import precompiled
 
 # triton.jit picks the interpreter when a kernel is defined; read the knob once, here.
 INTERPRETED = triton.knobs.runtime.interpret
+if not INTERPRETED and (torch.version.cuda or torch.version.hip):
+    # Triton's argument specialiser imports gluon's Hopper module on its first call:
+    # imported with the package instead, not inside a user's first call (decision 0016).
+    with contextlib.suppress(ImportError):
+        import triton.experimental.gluon.nvidia.hopper
+
 # Why the CPU cannot run the kernels in this process, or None where it can. With
 # TRITON_INTERPRET=1 set after triton was imported, Triton's own library (tl.sigmoid ...)
 # was jitted for the GPU and the interpreter cannot call it.
@@ -146,6 +153,31 @@ def has_tma(device: torch.device) -> bool:
             )
         _HAS_TMA[device] = tma
     return tma
+
+
+_CUBLAS_READY: set[tuple[torch.device, torch.dtype]] = set()
+
+
+def prepare_cublas(device: torch.device, dtype: torch.dtype) -> None:
+    """Runs one tiny ``dtype`` GEMM on ``device`` once per process. A process's first
+    cuBLAS GEMM of a dtype sets cuBLAS up for that dtype (beyond creating its handle:
+    decision 0016), which eager's first call pays: paid here, at the first call of a
+    module whose route can reach cuBLAS (its down projection at some token counts), not
+    by whichever later call first takes it. Not while a CUDA graph is captured or
+    torch.compile traces, nor for FP8 weights (their GEMMs are scaled ones)."""
+    if (
+        device.type != "cuda"
+        or INTERPRETED
+        or dtype not in (torch.float16, torch.bfloat16, torch.float32)
+        or (device, dtype) in _CUBLAS_READY
+        or torch.compiler.is_compiling()
+        or torch.cuda.is_current_stream_capturing()
+    ):
+        return
+    _CUBLAS_READY.add((device, dtype))
+    with torch.cuda.device(device), torch.no_grad():
+        a = torch.zeros(16, 16, dtype=dtype, device=device)
+        torch.mm(a, a)
 
 
 class BoundedCache(dict):

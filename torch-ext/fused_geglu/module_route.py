@@ -11,7 +11,7 @@ from torch import nn
 from .checks import PLAIN_TENSORS, is_dtensor
 from .fp8.modules import fp8_route_operands
 from .gemm import gelu_code
-from .launch import has_tma, made_from_tables
+from .launch import has_tma, made_from_tables, prepare_cublas
 from .one_launch import OneLaunchMLP
 from .reproduction import (
     _REPRODUCED,
@@ -345,4 +345,5 @@ def module_route(module: nn.Module, family: Family) -> ModuleRoute:
                 route.mlp_launch = OneLaunchMLP(
                     *route.mlp, gelu_code(route.approximate)
                 )
+                prepare_cublas(route.mlp[0].device, route.mlp[0].dtype)
     return route

@@ -175,6 +175,9 @@ def _compiler_watched() -> bool:
 
 
 _LISTINGS: dict[str, frozenset] = {}  # folder -> its file names (read once)
+# key -> its artifact's (metadata, cubin), checked: the launchers of one specialisation
+# (one per shape class) read and decompress it once
+_READ: dict[str, tuple] = {}
 _LOCK = threading.Lock()
 
 
@@ -222,6 +225,9 @@ def find(kernel, args: tuple, kwargs: dict, target=None, root: str | None = None
         key = artifact_key(src, options, target, get_cache_invalidating_env_vars())
         if f"{key}.json" not in names or f"{key}.xz" not in names:
             return None
+        read = _READ.get(key)
+        if read is not None:
+            return cubin.CubinKernel(key, src.signature, *read)
         path = os.path.join(folder, key)
         with open(f"{path}.json") as f:
             meta = json.load(f)
@@ -235,6 +241,8 @@ def find(kernel, args: tuple, kwargs: dict, target=None, root: str | None = None
             return None
         with open(f"{path}.xz", "rb") as f:
             binary = lzma.decompress(f.read())
+        with _LOCK:
+            _READ[key] = meta, binary
         return cubin.CubinKernel(key, src.signature, meta, binary)
     except Exception:  # noqa: BLE001 (any mismatch of this Triton's API: JIT)
         return None

@@ -163,14 +163,13 @@ def prepare_cublas(device: torch.device, dtype: torch.dtype) -> None:
     cuBLAS GEMM of a dtype sets cuBLAS up for that dtype (beyond creating its handle:
     decision 0016), which eager's first call pays: paid here, at the first call of a
     module whose route can reach cuBLAS (its down projection at some token counts), not
-    by whichever later call first takes it. Not while a CUDA graph is captured or
-    torch.compile traces, nor for FP8 weights (their GEMMs are scaled ones)."""
+    by whichever later call first takes it. Not while a CUDA graph is captured, nor for
+    FP8 weights (their GEMMs are scaled ones)."""
     if (
         device.type != "cuda"
         or INTERPRETED
         or dtype not in (torch.float16, torch.bfloat16, torch.float32)
         or (device, dtype) in _CUBLAS_READY
-        or torch.compiler.is_compiling()
         or torch.cuda.is_current_stream_capturing()
     ):
         return

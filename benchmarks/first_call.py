@@ -40,6 +40,19 @@ def new_sizes(count: int, seen) -> list[int]:
     return sizes[:count]
 
 
+def recorded_lookups(package) -> list:
+    """The package's precompiled lookups from now on, each as [kernel name, hit]."""
+    lookups, find = [], package.precompiled.find
+
+    def recorded(kernel, *args, **kwargs):
+        found = find(kernel, *args, **kwargs)
+        lookups.append([kernel.__name__, found is not None])
+        return found
+
+    package.precompiled.find = recorded
+    return lookups
+
+
 def child(mode: str, tokens: list[int], count: int, outputs: Path) -> dict:
     """Runs in the fresh process: the timings of one mode."""
     import bench_lib as lib
@@ -54,21 +67,14 @@ def child(mode: str, tokens: list[int], count: int, outputs: Path) -> dict:
         hidden_act="gelu_pytorch_tanh",
     )
     mlp = GemmaMLP(config).to("cuda", torch.bfloat16).eval()
-    hits = []
+    lookups = []
     if mode == "compile":
         fn = torch.compile(mlp)
     elif mode == "liger":
         fn = lib.liger_mlp(mlp)
     elif mode in ("ours", "ours_jit"):
         ours = lib.load_ours()
-        find = ours.precompiled.find
-
-        def counted(kernel, *args, **kwargs):
-            found = find(kernel, *args, **kwargs)
-            hits.append([kernel.__name__, found is not None])
-            return found
-
-        ours.precompiled.find = counted
+        lookups = recorded_lookups(ours)
         fn = ours.layers.GeGLUMLP.forward.__get__(mlp)
     else:
         fn = mlp
@@ -104,7 +110,7 @@ def child(mode: str, tokens: list[int], count: int, outputs: Path) -> dict:
         "new_sizes_total_ms": sum(new_ms),
         "triton_cache_entries": sum(1 for p in cache.rglob("*") if p.is_file()),
         "triton_driver_started": getattr(driver, "_active", None) is not None,
-        "precompiled_lookups": hits,
+        "precompiled_lookups": lookups,
     }
 
 
@@ -121,18 +127,10 @@ def generate_child(mode: str, prompt_tokens: int, new_tokens: int) -> dict:
     if mode == "liger":
         for layer in model.model.layers:
             layer.mlp = lib.liger_mlp(layer.mlp)
-    hits = []
+    lookups = []
     if model is ours:
         forward = model.model.layers[0].mlp.forward.__func__
-        package = sys.modules[forward.__module__.rpartition(".")[0]]
-        find = package.precompiled.find
-
-        def counted(kernel, *args, **kwargs):
-            found = find(kernel, *args, **kwargs)
-            hits.append([kernel.__name__, found is not None])
-            return found
-
-        package.precompiled.find = counted
+        lookups = recorded_lookups(sys.modules[forward.__module__.rpartition(".")[0]])
     ids = torch.randint(1, 1000, (1, prompt_tokens), device="cuda")
     torch.cuda.synchronize()
 
@@ -151,7 +149,7 @@ def generate_child(mode: str, prompt_tokens: int, new_tokens: int) -> dict:
     import triton
 
     return {"first_generate_ms": first_ms, "warm_generate_ms": warm_ms,
-            "tokens": tokens, "precompiled_lookups": hits,
+            "tokens": tokens, "precompiled_lookups": lookups,
             "triton_driver_started": getattr(triton.runtime.driver, "_active", None)
             is not None}  # fmt: skip
 

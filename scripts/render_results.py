@@ -664,6 +664,14 @@ FIRST_CALL_MODES = {
 }
 
 
+def first_call_rows(result: dict):
+    """(mode, label, row) of each mode that ran in a first-call result, in table order."""
+    for mode, label in FIRST_CALL_MODES.items():
+        row = result.get(mode)
+        if row and "error" not in row:
+            yield mode, label, row
+
+
 def first_call_section(paths: list[Path]) -> list[str]:
     """First calls in a fresh process with empty Triton and Inductor caches, per Triton
     version: each token count's first call and the new token counts' sum, ms."""
@@ -677,16 +685,12 @@ def first_call_section(paths: list[Path]) -> list[str]:
             f"Triton and Inductor caches at each token count, then {count} new token "
             f"counts (sum), Gemma-2B MLP, bf16, ms (`benchmarks/first_call.py`):"
         )
-        rows = []
-        for mode, label in FIRST_CALL_MODES.items():
-            row = result.get(mode)
-            if not row or "error" in row:
-                continue
-            calls = row["first_call_ms"]
-            rows.append(
-                [label, *(f"{calls[t]:.1f}" for t in tokens), f"{row['new_sizes_total_ms']:.1f}",
-                 "yes" if row["triton_driver_started"] else "no"]
-            )  # fmt: skip
+        rows = [
+            [label, *(f"{row['first_call_ms'][t]:.1f}" for t in tokens),
+             f"{row['new_sizes_total_ms']:.1f}",
+             "yes" if row["triton_driver_started"] else "no"]
+            for mode, label, row in first_call_rows(result)
+        ]  # fmt: skip
         head = ["first call at", *tokens, f"{count} new", "Triton's driver started"]
         lines += table(head, rows) + [""]
         if generate := result.get("generate"):
@@ -703,16 +707,12 @@ def generate_lines(generate: dict) -> list[str]:
         f"GemmaForCausalLM of `benchmarks/e2e.py`, random weights), then the median of "
         f"three more, ms:"
     )
-    rows = []
-    for mode, label in FIRST_CALL_MODES.items():
-        row = generate.get(mode)
-        if not row or "error" in row:
-            continue
-        equal = row.get("tokens_equal_eager")
-        rows.append(
-            [label, f"{row['first_generate_ms']:.0f}", f"{row['warm_generate_ms']:.0f}",
-             "-" if equal is None or mode == "eager" else ("yes" if equal else "no")]
-        )  # fmt: skip
+    rows = [
+        [label, f"{row['first_generate_ms']:.0f}", f"{row['warm_generate_ms']:.0f}",
+         "-" if mode == "eager" or "tokens_equal_eager" not in row
+         else ("yes" if row["tokens_equal_eager"] else "no")]
+        for mode, label, row in first_call_rows(generate)
+    ]  # fmt: skip
     head = ["model", "first generate()", "later (median)", "tokens equal eager's"]
     return lines + table(head, rows) + [""]
 

@@ -253,15 +253,24 @@ def test_opcheck_and_compile(fused_geglu, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 200], ids=["portable", "tma"])
 def test_direct_launch(fused_geglu, device, monkeypatch, tokens):
-    """After the first launch of a specialisation, gemm launches the compiled kernel
-    without JITFunction.run, and each call computes from its own operands; a new token
-    count compiles or looks up again through JITFunction.run, and a misaligned operand
-    always goes through it."""
+    """After the first launch of a specialisation (through JITFunction.run, or a
+    precompiled kernel found for it), gemm launches the compiled kernel directly, and each
+    call computes from its own operands; a new token count compiles or looks up again,
+    and a misaligned operand always goes through JITFunction.run."""
     gemm, kernels = fused_geglu.gemm, fused_geglu.gemm_kernels
-    runs = []
+    runs = []  # launches through JITFunction.run or a precompiled kernel found
     for kernel in (kernels.gemm_kernel, kernels.gemm_tma_kernel):
         spy = lambda *a, _run=kernel.run, **k: runs.append(1) or _run(*a, **k)
         monkeypatch.setattr(kernel, "run", spy)
+    precompiled = fused_geglu.precompiled
+
+    def find(*a, _find=precompiled.find, **k):
+        found = _find(*a, **k)
+        if found is not None:
+            runs.append(1)
+        return found
+
+    monkeypatch.setattr(precompiled, "find", find)
     monkeypatch.setattr(gemm, "_PLANS", fused_geglu.launch.BoundedCache(1024))
     hidden, inter, dtype = 256, 384, torch.bfloat16
     w_gate, w_up = (

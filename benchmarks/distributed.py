@@ -130,6 +130,7 @@ def main():
                     tmp,
                     dtype=torch.bfloat16,
                     distributed_config=DistributedConfig(tp_plan="auto"),
+                    use_kernels=False,
                 )
                 return kernelized(model, mode) if kernelize_it else model
 

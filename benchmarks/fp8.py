@@ -161,8 +161,13 @@ def tiny_gemma_agreement(ours) -> dict:
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
         GemmaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+        # use_kernels=False: from transformers 5.25 on, from_pretrained kernelizes with the
+        # Hub's kernels by default (rotary among them); the comparison is plain against ours.
         load = lambda: GemmaForCausalLM.from_pretrained(
-            folder, quantization_config=FineGrainedFP8Config(), device_map="cuda"
+            folder,
+            quantization_config=FineGrainedFP8Config(),
+            device_map="cuda",
+            use_kernels=False,
         ).eval()
         plain, kernelized = load(), load()
     replaced = ours.kernelize_mlps(kernelized, mode=Mode.INFERENCE, device="cuda")

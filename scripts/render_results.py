@@ -463,22 +463,17 @@ E2E_TASKS = {
 }
 
 
-def e2e_section(path: Path, result: dict, brief: bool = False) -> list[str]:
+def e2e_section(path: Path, result: dict) -> list[str]:
     """The end-to-end rows: eager against kernelized, and the other models of the run;
-    then, but ``brief`` (README: no sources), the logits' agreement."""
+    then the logits' agreement."""
     model, args = result["model"], result["args"]
     others = [k[: -len("_ms")] for k in result["rows"][0] if k.endswith("_ms")]
     others = [name for name in others if name not in ("eager", "ours")]
-    text = f"{stamp(result['env'])}: Gemma-2B-shaped model"
-    if brief:
-        text += f", {model['num_hidden_layers']} layers, {args['rounds']} rounds:"
-    else:
-        text += (
-            f" ({model['num_hidden_layers']} layers, bf16), eager and kernelized, "
-            f"{args['rounds']} interleaved rounds (`{path.relative_to(ROOT)}`, "
-            f"`benchmarks/e2e.py`):"
-        )
-    lines = paragraph(text)
+    lines = paragraph(
+        f"{stamp(result['env'])}: Gemma-2B-shaped model ({model['num_hidden_layers']} "
+        f"layers, bf16), eager and kernelized, {args['rounds']} interleaved rounds "
+        f"(`{path.relative_to(ROOT)}`, `benchmarks/e2e.py`):"
+    )
     head = ["", "eager", "fused-geglu", "speed-up", "per round", "tokens equal"]
     head += [f"{E2E_MODELS.get(name, name)}: speed-up" for name in others]
     rows = []
@@ -491,7 +486,7 @@ def e2e_section(path: Path, result: dict, brief: bool = False) -> list[str]:
             + [f"{row[f'{name}_speedup']:.3f}x" for name in others]
         )  # fmt: skip
     lines += table(head, rows) + [""]
-    if "logits_agreement" in result and not brief:  # none before 2026-12-01T20
+    if "logits_agreement" in result:  # none before 2026-12-01T20
         checks = [
             f"{a['tokens']} tokens ({a['positions']} positions): largest difference "
             f"{a['max_abs_diff_over_max_abs']:.2%} of eager's largest logit, argmax equal "
@@ -717,45 +712,35 @@ def generate_lines(generate: dict) -> list[str]:
     return lines + table(head, rows) + [""]
 
 
-def sweep_8192_section(paths: list[Path], brief: bool = False) -> list[str]:
+def sweep_8192_section(paths: list[Path]) -> list[str]:
     """The 8192-token GEMM sweeps by Triton version: our dual GEMM (gate and up) and down
-    GEMM at the launch table's tiles against cuBLAS, and ``geglu_mlp`` against the eager
-    MLP; but ``brief`` (README: no sources), the fastest tile swept too."""
+    GEMM at the launch table's tiles against cuBLAS, ``geglu_mlp`` against the eager
+    MLP, and the fastest tile swept."""
     sweeps = [raw(p) for p in paths]
-    text = (
+    sources = ", ".join(f"`{p.relative_to(ROOT)}`" for p in paths)
+    lines = paragraph(
         f"{stamp(*(s['env'] for s in sweeps))}: the Gemma-2B MLP's GEMMs at 8192 tokens "
-        f"by Triton version, bf16, ms"
+        f"by Triton version, bf16, ms, eager calls: our kernels at the launch table's "
+        f"tiles (the sweep's `None`) against cuBLAS (`F.linear`; gate and up: two calls) "
+        f"and `geglu_mlp` against the eager MLP ({sources}):"
     )
-    if brief:
-        lines = paragraph(
-            f"{stamp(*(s['env'] for s in sweeps))}: GEMMs at 8192 tokens, ms:"
-        )
-    else:
-        sources = ", ".join(f"`{p.relative_to(ROOT)}`" for p in paths)
-        lines = paragraph(
-            f"{text}, eager calls: our kernels at the launch table's tiles (the sweep's "
-            f"`None`) against cuBLAS (`F.linear`; gate and up: two calls) and `geglu_mlp` "
-            f"against the eager MLP ({sources}):"
-        )
     head = ["Triton", "dual GEMM (gate, up)", "cuBLAS gate + up", "down GEMM"]
     head += ["cuBLAS down", "`geglu_mlp`", "eager MLP"]
-    if not brief:
-        head += [
-            "dual GEMM, fastest other tile swept",
-            "down GEMM, fastest other tile swept",
-        ]
+    head += [
+        "dual GEMM, fastest other tile swept",
+        "down GEMM, fastest other tile swept",
+    ]
     rows = []
     for s in sweeps:
         dual, down = s["dual/8192"], s["down/8192"]
         cells = [s["env"]["triton"], ms(dual["None"]), ms(dual["cublas_x2"])]
         cells += [ms(down["None"]), ms(down["cublas"]), ms(s["mlp_fn"])]
         cells += [ms(s["mlp_eager"])]
-        if not brief:
-            for sweep in (dual, down):
-                tiles = {k: v for k, v in sweep.items() if k.startswith("(")}
-                tiles = {k: v for k, v in tiles.items() if isinstance(v, float)}
-                best = min(tiles, key=tiles.get)
-                cells.append(f"{ms(tiles[best])} {best}")
+        for sweep in (dual, down):
+            tiles = {k: v for k, v in sweep.items() if k.startswith("(")}
+            tiles = {k: v for k, v in tiles.items() if isinstance(v, float)}
+            best = min(tiles, key=tiles.get)
+            cells.append(f"{ms(tiles[best])} {best}")
         rows.append(cells)
     return lines + table(head, rows) + [""]
 
@@ -826,8 +811,7 @@ def summary_families_section(path: Path) -> list[str]:
 
 def render_summary() -> str:
     """README.md's text between the markers: per GPU, the families (else the Gemma MLP
-    forward), FP8, end to end and the Triton versions' 8192-token sweeps, where
-    measured."""
+    forward) and FP8, where measured; then end to end, a row per GPU."""
     lines = paragraph(
         "Every table, with sources and methods: [docs/results.md](docs/results.md)."
     )
@@ -840,11 +824,39 @@ def render_summary() -> str:
             lines += summary_mlp_section(result)
         if path := newest("fp8", gpu):
             lines += fp8_section(path, load(path), brief=True)
-        if path := newest("e2e", gpu):
-            lines += e2e_section(path, load(path), brief=True)
-        if paths := sweeps_8192(gpu):
-            lines += sweep_8192_section(paths, brief=True)
+    paths = [path for gpu in gpus() if (path := newest("e2e", gpu))]
+    if paths:
+        lines += summary_e2e_section(paths)
     return "\n".join(lines) + "\n"
+
+
+def summary_e2e_section(paths: list[Path]) -> list[str]:
+    """README.md's end-to-end table: a row per GPU (its newest e2e.py run), eager and
+    kernelized per task, and whether greedy generation gave eager's tokens in all."""
+    results = [load(p) for p in paths]
+    layers = dict.fromkeys(r["model"]["num_hidden_layers"] for r in results)
+    equal = [r.get("tokens_equal_eager") for res in results for r in res["rows"]]
+    lines = paragraph(
+        f"Gemma-2B-shaped model, {' and '.join(map(str, layers))} layers, bf16 "
+        f"(`benchmarks/e2e.py`): eager, then fused-geglu, ms (`generate()`: per new "
+        f"token); generated tokens "
+        f"{'equal' if all(e is not False for e in equal) else 'NOT all equal to'} "
+        f"eager's:"
+    )
+    head = ["GPU, date, versions, rounds", *E2E_TASKS.values()]
+    rows = []
+    for res in results:
+        env = res["env"]
+        cells = {
+            r["task"]: f"{r['eager_ms']:.2f}, {r['ours_ms']:.2f} ({r['speedup']:.2f}x)"
+            for r in res["rows"]
+        }
+        label = (
+            f"{env['device']}, {env['date']}, Triton {env['triton']}, transformers "
+            f"{env['transformers']}, {res['args']['rounds']} rounds"
+        )
+        rows.append([label, *(cells.get(task, "-") for task in E2E_TASKS)])
+    return lines + table(head, rows) + [""]
 
 
 # docs/results.md's sections of one GPU after its comparison, each from its newest file.

@@ -142,13 +142,17 @@ def check_tp(family: str, tmp: Path, device: torch.device) -> None:
         0, TINY["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(1)
     ).to(device)
     layers = TINY["num_hidden_layers"]
+    # use_kernels=False on the CUDA loads: transformers (5.25 on) kernelizes them with the
+    # Hub's kernels by default, which needs the network; only our MLP layers are compared.
     tp = DistributedConfig(tp_plan="auto")
 
     # Inference, 16-bit: the TP layer runs the dual GEMM on the local weight shards.
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     eager = model_cls.from_pretrained(path, dtype=dtype).to(device).eval()
     model = kernelized(
-        model_cls.from_pretrained(path, dtype=dtype, distributed_config=tp).eval(),
+        model_cls.from_pretrained(
+            path, dtype=dtype, distributed_config=tp, use_kernels=False
+        ).eval(),
         Mode.INFERENCE,
     )
     mlp = model.model.layers[0].mlp
@@ -172,7 +176,9 @@ def check_tp(family: str, tmp: Path, device: torch.device) -> None:
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     eager = model_cls.from_pretrained(path, dtype=dtype).to(device)
     model = kernelized(
-        model_cls.from_pretrained(path, dtype=dtype, distributed_config=tp),
+        model_cls.from_pretrained(
+            path, dtype=dtype, distributed_config=tp, use_kernels=False
+        ),
         Mode.TRAINING,
     )
     expected = eager(ids).logits

@@ -212,7 +212,7 @@ def compare_section(path: Path, result: dict) -> list[str]:
         f"medians of `triton.testing.do_bench` (CUDA-graph replay for 64 tokens or "
         f"fewer). Source: `{path.relative_to(ROOT)}`, made by `{compare_command(result)}`"
     )
-    if tune.exists():
+    if tune != path and tune.exists():
         text += (
             f"; launch tables chosen from `{tune.relative_to(ROOT)}` "
             f"(`benchmarks/tune.py`)"

@@ -1,7 +1,9 @@
 """Regenerate the measured results from the committed JSON in benchmarks/results/, one
 section per GPU. For each kind of result the newest file of each GPU counts (its GPU is the
 JSON's env["device"]): *-compare.json (benchmarks/compare.py; a run with --only renders
-only the parts it measured) and, when committed, *-compare-training.json, *-tune-decode.json,
+only the parts it measured) and, when committed, *-compare-training.json,
+*-compare-mlp.json, *-compare-linear.json and *-compare-activation-linear.json (the newest
+of each Triton version), *-tune-decode.json,
 *-e2e.json, *-fp8.json, *-families.json (compare.py --only families), *-distributed.json
 (benchmarks/distributed.py), *-report.json (scripts/report.py), *-sweep-8192.json (GEMM
 tile sweeps at 8192 tokens, the newest of each Triton version) and *-sweep-decode.json.
@@ -18,8 +20,10 @@ digits below 0.1 ms; fractions to 2 decimals; µs and MiB to integers.
 import argparse
 import json
 import math
+import re
 import sys
 import textwrap
+from datetime import datetime
 from functools import cache
 from pathlib import Path
 
@@ -88,6 +92,19 @@ def newest(kind: str, device: str | None = None) -> Path | None:
     return paths[-1] if paths else None
 
 
+def measured_at(path: Path) -> str:
+    """The date (and UTC hour, where the name has one) that starts a result's name."""
+    return re.match(r"\d{4}-\d\d-\d\d(T\d\d)?", path.name).group(0)
+
+
+def newest_families(device: str) -> Path | None:
+    """The newest run of the families' feed-forwards on ``device``: a
+    ``*-families.json`` or a comparison that measured them (on a tie, the comparison)."""
+    paths = results("families", device)
+    paths += [p for p in results("compare", device) if "families" in load(p)]
+    return max(paths, key=measured_at, default=None)
+
+
 def gpus() -> list[str]:
     """The GPUs with a comparison (compare.py), in the order of their first one."""
     return list(dict.fromkeys(device_of(p) for p in results("compare")))
@@ -130,7 +147,9 @@ def paragraph(text: str) -> list[str]:
     """Wrapped at 90 columns, never inside a `code span`."""
     parts = text.split("`")
     parts[1::2] = [p.replace(" ", "\0") for p in parts[1::2]]
-    lines = textwrap.wrap("`".join(parts), width=90, break_on_hyphens=False)
+    lines = textwrap.wrap(
+        "`".join(parts), width=90, break_on_hyphens=False, break_long_words=False
+    )
     return [line.replace("\0", " ") for line in lines] + [""]
 
 
@@ -149,21 +168,13 @@ def mlp_floor_ms(mlp: dict, tokens: int, ceil: dict) -> float:
     return max(flops_ms, bytes_ms)
 
 
-def mlp_forward_table(
-    mlp: dict,
-    key: str,
-    fmt,
-    ceil: dict | None = None,
-    peers: list[str] | None = None,
-    floor_head: str = "floor",
-) -> list[str]:
-    """The MLP forward's ``key`` by token count and peer (``peers``: those, else all),
-    each ``fmt``-ed; the token counts measured without it are left out (no table at
-    all: []). With ``ceil``, the floor (FLOOR; its column ``floor_head``) and our
-    layer's fraction of it."""
-    peers = peers or list(next(iter(mlp["forward"].values())))
+def mlp_forward_table(mlp: dict, key: str, fmt, ceil: dict | None = None) -> list[str]:
+    """The MLP forward's ``key`` by token count and peer, each ``fmt``-ed; the token
+    counts measured without it are left out (no table at all: []). With ``ceil``, the
+    floor (FLOOR) and our layer's fraction of it."""
+    peers = list(next(iter(mlp["forward"].values())))
     head = ["tokens"] + [PEERS[p] for p in peers]
-    head += [floor_head, "layer: fraction of floor"] if ceil else []
+    head += ["floor", "layer: fraction of floor"] if ceil else []
     rows = []
     for tokens, row in mlp["forward"].items():
         if key not in row[peers[0]]:
@@ -232,6 +243,12 @@ def compare_section(path: Path, result: dict) -> list[str]:
         lines += training_section(result["training"])
     if "host" in result:
         lines += host_section(result["host"])
+    if "families" in result:
+        lines += paragraph(
+            "Each family's feed-forward, inference, bf16: GPU time by CUDA-graph "
+            "replay, host time per call beside it:"
+        )
+        lines += families_table(result["families"])
     return lines
 
 
@@ -331,12 +348,13 @@ def training_section(training: dict) -> list[str]:
 
 
 def training_rerun_section(path: Path, result: dict) -> list[str]:
-    """compare.py --only training, run after the newest full comparison."""
+    """compare.py --only training, run with or after the newest comparison."""
     env = result["env"]
+    commit = env.get("source_commit") or env["git"]
+    note = f"; {env['note']}" if env.get("note") else ""
     lines = paragraph(
-        f"Training rows measured again, {stamp(env)}, at {env['source_commit']} "
-        f"(another {env['device']} host, every peer in the same run; "
-        f"{env.get('note', '')}). Source: `{path.relative_to(ROOT)}`."
+        f"Training rows measured in a run of their own, {stamp(env)}, at {commit} "
+        f"(every peer in the same run{note}). Source: `{path.relative_to(ROOT)}`."
     )
     return lines + training_section(result["training"])
 
@@ -367,14 +385,19 @@ def families_section(path: Path, result: dict) -> list[str]:
         f"CUDA-graph replay, host time per call beside it. Source: "
         f"`{path.relative_to(ROOT)}`, made by `python benchmarks/compare.py --only families`."
     )
+    return lines + families_table(result["families"])
+
+
+def families_table(families: dict) -> list[str]:
+    """Each family's layer against its eager module: GPU ms, speed-up, host µs."""
     rows = [
         [name, f"{r['tokens']} x {r['hidden']}", ms(r["eager_ms"]), ms(r["ours_ms"]),
          f"{r['speedup']:.2f}x", f"{r['eager_host_us']:.0f}", f"{r['ours_host_us']:.0f}"]
-        for name, r in result["families"].items()
+        for name, r in families.items()
     ]  # fmt: skip
     head = ["module", "tokens x hidden", "eager ms", "fused-geglu ms", "speed-up"]
     head += ["eager host µs", "fused-geglu host µs"]
-    return lines + table(head, rows) + [""]
+    return table(head, rows) + [""]
 
 
 def distributed_section(path: Path, result: dict) -> list[str]:
@@ -636,11 +659,83 @@ def sweeps_8192(device: str) -> list[Path]:
     return sorted(by_triton.values(), key=version_key)
 
 
-def compare_mlps(device: str) -> list[Path]:
-    """The newest Gemma-MLP-only comparison (``compare.py --only mlp``, kept as
-    ``*-compare-mlp.json``) of each Triton version on ``device``, by version."""
-    by_triton = {raw(p)["env"]["triton"]: p for p in results("compare-mlp", device)}
-    return sorted(by_triton.values(), key=version_key)
+# compare.py runs of some sections, kept beside the full comparison by what they measured.
+PARTIAL_COMPARES = ("compare-activation-linear", "compare-linear", "compare-mlp")
+
+
+def partial_compares(device: str) -> list[Path]:
+    """The newest partial comparison (PARTIAL_COMPARES) of each kind and Triton version on
+    ``device``, by version."""
+    newest_of = {}
+    for kind in PARTIAL_COMPARES:
+        newest_of |= {(kind, raw(p)["env"]["triton"]): p for p in results(kind, device)}
+    return sorted(newest_of.values(), key=version_key)
+
+
+def our_times(result: dict) -> dict[str, float]:
+    """Our GPU ms per row of a comparison: the activation's, Linear's and the MLP
+    layer's, forward and forward+backward, those it measured."""
+    times = {}
+    for key, label in (("fwd_ms", "forward"), ("fwd_bwd_ms", "forward+backward")):
+        if key in (act := result.get("activation", {}).get("rows", {}).get("ours", {})):
+            times[f"activation, {label}"] = act[key]
+    for key, label in (("forward", "forward"), ("fwd_bwd", "forward+backward")):
+        for r in result.get("linear", {}).get(key, []):
+            times[f"Linear {r['M']} x {r['N']} x {r['K']}, {label}"] = r["ours"]["ms"]
+    mlp = result.get("mlp", {})
+    for tokens, row in mlp.get("forward", {}).items():
+        count = f"{tokens} token{'' if tokens == '1' else 's'}"
+        times[f"MLP layer, {count}, forward"] = row["ours_layer"]["ms"]
+    if "fwd_bwd" in mlp:
+        times["MLP layer, 8192 tokens, forward+backward"] = mlp["fwd_bwd"][
+            "ours_layer"
+        ]["ms"]
+    return times
+
+
+def tree(path: Path) -> str:
+    """The package tree a run measured: the commit its JSON names."""
+    env = raw(path)["env"]
+    return env.get("source_commit") or env["git"]
+
+
+def triton_change_section(device: str) -> list[str]:
+    """Our rows on ``device`` under each newer Triton version against Triton 3.6.0's: the
+    newer version's newest run of the row against the 3.6.0 run of it nearest in time
+    (the same lease where there was one) of the same package tree."""
+    runs: dict[str, list[tuple[datetime, dict[str, float], Path]]] = {}
+    for path in [*results("compare", device), *partial_compares(device)]:
+        when = datetime.fromisoformat(measured_at(path))
+        runs.setdefault(raw(path)["env"]["triton"], []).append(
+            (when, our_times(load(path)), path)
+        )
+    base = runs.pop("3.6.0", [])
+    lines = []
+    for version in sorted(runs, key=lambda v: tuple(map(int, v.split(".")))):
+        body, sources = [], set()
+        rows = dict.fromkeys(row for _, times, _ in runs[version] for row in times)
+        for row in rows:
+            when, times, path = max(
+                (r for r in runs[version] if row in r[1]), key=lambda r: r[0]
+            )
+            pairs = [r for r in base if row in r[1] and tree(r[2]) == tree(path)]
+            if not pairs:
+                continue
+            _, old, old_path = min(pairs, key=lambda r: abs(r[0] - when))
+            sources |= {path, old_path}
+            ratio = times[row] / old[row]
+            body.append([row, ms(old[row]), ms(times[row]), f"{ratio:.3f}"])
+        if body:
+            lines += paragraph(
+                f"{device}: our GPU time by Triton version, ms: Triton {version}'s newest "
+                f"run of each row against the Triton 3.6.0 run nearest in time (above 1: "
+                f"slower). Sources: "
+                + ", ".join(f"`{p.relative_to(ROOT)}`" for p in sorted(sources))
+                + "."
+            )
+            head = ["row", "Triton 3.6.0", f"Triton {version}", f"{version} / 3.6.0"]
+            lines += table(head, body) + [""]
+    return lines
 
 
 def first_calls(device: str) -> list[Path]:
@@ -780,48 +875,40 @@ def sweep_decode_section(path: Path) -> list[str]:
     return lines + table(head, rows) + [""]
 
 
-README_PEERS = ("eager", "compile", "liger", "ours_layer", "ours_dual_gemm")
-
-
-def summary_mlp_section(result: dict) -> list[str]:
-    """README: the Gemma MLP forward of a comparison, the main peers and the floor."""
-    mlp, ceil = result["mlp"], result["ceilings"]
+def summary_families_section(paths: list[Path]) -> list[str]:
+    """README: each family's layer against eager, a column per GPU (its newest run)."""
+    results = [load(p) for p in paths]
     lines = paragraph(
-        f"{stamp(result['env'])}: Gemma-2B MLP forward, ms (graph replay up to 64 tokens):"
+        "Feed-forwards, bf16, GPU time by CUDA-graph replay: eager, then fused-geglu, ms; "
+        + "; ".join(stamp(r["env"]) for r in results)
+        + ":"
     )
-    peers = [p for p in README_PEERS if p in next(iter(mlp["forward"].values()))]
-    floor = "floor: FLOPs at the run's matmul rate or weights at its copy rate"
-    return lines + mlp_forward_table(mlp, "ms", ms, ceil, peers, floor)
-
-
-def summary_families_section(path: Path) -> list[str]:
-    """README: each family's layer against eager."""
-    result = load(path)
-    lines = paragraph(
-        f"{stamp(result['env'])}: feed-forwards, bf16, CUDA-graph replay:"
-    )
-    rows = [
-        [name, f"{r['tokens']} x {r['hidden']}", ms(r["eager_ms"]),
-         ms(r["ours_ms"]), f"{r['speedup']:.2f}x"]
-        for name, r in result["families"].items()
-    ]  # fmt: skip
-    head = ["feed-forward", "tokens x hidden", "eager ms", "fused-geglu ms", "speed-up"]
+    families = [r["families"] for r in results]
+    rows = []
+    for name in dict.fromkeys(name for f in families for name in f):
+        size = next(f[name] for f in families if name in f)
+        cells = [
+            f"{ms(r['eager_ms'])}, {ms(r['ours_ms'])} ({r['speedup']:.2f}x)"
+            if (r := f.get(name))
+            else "-"
+            for f in families
+        ]
+        rows.append([name, f"{size['tokens']} x {size['hidden']}", *cells])
+    head = ["feed-forward", "tokens x hidden"]
+    head += [r["env"].get("device") or r["env"]["gpu"] for r in results]
     return lines + table(head, rows) + [""]
 
 
 def render_summary() -> str:
-    """README.md's text between the markers: per GPU, the families (else the Gemma MLP
-    forward) and FP8, where measured; then end to end, a row per GPU."""
+    """README.md's text between the markers: the families, a column per GPU; FP8 per
+    GPU; end to end, a row per GPU (each where measured)."""
     lines = paragraph(
         "Every table, with sources and methods: [docs/results.md](docs/results.md)."
     )
+    families = [path for gpu in gpus() if (path := newest_families(gpu))]
+    if families:
+        lines += summary_families_section(families)
     for gpu in gpus():
-        if path := newest("families", gpu):
-            lines += summary_families_section(path)
-        elif paths := compare_mlps(gpu):  # the newest Triton's (docs/results.md: all)
-            lines += summary_mlp_section(load(paths[-1]))
-        elif (path := newest("compare", gpu)) and "mlp" in (result := load(path)):
-            lines += summary_mlp_section(result)
         if path := newest("fp8", gpu):
             lines += fp8_section(path, load(path), brief=True)
     paths = [path for gpu in gpus() if (path := newest("e2e", gpu))]
@@ -871,13 +958,15 @@ def render() -> str:
         lines += [f"### {gpu}", ""]
         compare = newest("compare", gpu)
         lines += compare_section(compare, load(compare))
-        for path in compare_mlps(gpu):
-            lines += compare_section(path, load(path))
         rerun = newest("compare-training", gpu)
-        if rerun and rerun.name > compare.name:
+        if rerun and measured_at(rerun) >= measured_at(compare):
             lines += training_rerun_section(rerun, load(rerun))
+        for path in partial_compares(gpu):
+            lines += compare_section(path, load(path))
+        lines += triton_change_section(gpu)
         for kind, section in SECTIONS.items():
-            if path := newest(kind, gpu):
+            path = newest_families(gpu) if kind == "families" else newest(kind, gpu)
+            if path and path.name.endswith(f"-{kind}.json"):  # not a comparison's
                 lines += section(path, load(path))
         if paths := sweeps_8192(gpu):
             lines += sweep_8192_section(paths)

@@ -92,6 +92,28 @@ def test_linear_training_without_activation_is_cublas(fused_geglu, device, monke
     assert len(launched) == 2 and all(k.startswith("gemm") for k in launched)
 
 
+def test_linear_cublas_rows(fused_geglu, device, monkeypatch, table_fields):
+    """At the table's ``linear_cublas_rows`` an inference ``linear`` or ``layers.Linear``
+    without activation is ``F.linear``'s (no launch, eager's values exactly); outside
+    them, or with an activation, our GEMM."""
+    table_fields(linear_cublas_rows=(17, 64))
+    w = torch.randn(16, 24, device=device)
+    b = torch.randn(16, device=device)
+    module = torch.nn.Linear(24, 16).to(device)
+    layer = fused_geglu.layers.Linear.forward.__get__(module)
+    launched = spy_launches(fused_geglu, monkeypatch)
+    with torch.no_grad():
+        for shape in ((17, 24), (64, 24), (2, 20, 24)):
+            x = torch.randn(shape, device=device)
+            assert torch.equal(fused_geglu.linear(x, w, b), F.linear(x, w, b))
+            assert torch.equal(layer(x), module(x))
+        assert launched == []
+        for rows in (16, 65):
+            fused_geglu.linear(torch.randn(rows, 24, device=device), w, b)
+        fused_geglu.linear(torch.randn(40, 24, device=device), w, b, "gelu")
+    assert len(launched) == 3 and all(k.startswith("gemm") for k in launched)
+
+
 @pytest.mark.parametrize("aligned", [True, False])
 def test_tma_and_portable_paths(fused_geglu, device, monkeypatch, aligned):
     """Where TMA runs (Hopper, the interpreter), 16-byte-aligned 16-bit operands take the TMA

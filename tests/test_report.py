@@ -476,9 +476,13 @@ def test_summary_numbers_come_from_json():
     """The README's summary quotes the families, FP8 and end-to-end rows of the committed
     JSON."""
     summary = render.render_summary()
-    families = json.loads(render.newest("families").read_text())["families"]
-    for name, row in families.items():
-        assert f"| {name} |" in summary and render.ms(row["ours_ms"]) in summary
+    paths = [render.newest_families(gpu) for gpu in render.gpus()]
+    assert len(paths) > 1 and all(paths)
+    for name in json.loads(paths[0].read_text())["families"]:
+        row = [json.loads(p.read_text())["families"][name] for p in paths]
+        cells = [f"{render.ms(r['eager_ms'])}, {render.ms(r['ours_ms'])}" for r in row]
+        assert all(f"| {cell} (" in summary for cell in cells)
+        assert summary.count(f"| {name} |") == 1
     fp8_rows = [
         row
         for row in json.loads(render.newest("fp8").read_text())["forward"]

@@ -10,7 +10,9 @@ Measured on the H200 (docs/decisions/0002, 0003, 0006):
   kernels); otherwise cuBLAS, which splits K. Under torch.compile always cuBLAS: a branch
   on the token count would recompile.
 - linear (``linear``, ``layers.Linear``, and no activation): in training cuBLAS, whose
-  backward was faster on every measured shape; in inference our GEMM.
+  backward was faster on every measured shape; in inference our GEMM, but cuBLAS at the
+  tuning table's ``linear_cublas_rows`` (decode sizes where it measured faster; not under
+  torch.compile, where a branch on the token count would recompile).
 - the activation in training: ours, except below the tuning table's
   ``training_kernel_min_elements`` outputs where the module's GeLU is one PyTorch op:
   there eager's ops (the module's own forward) cost less host time than our autograd
@@ -64,13 +66,24 @@ def fuse_projections(x: torch.Tensor) -> bool:
 
 def linear(x, weight, bias, activation: int) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` by the policy (arguments already checked): our GEMM with
-    its epilogue, except where autograd records a call without an activation. There
-    cuBLAS (``F.linear``) runs: its forward and backward were the faster on every measured
-    training shape (docs/decisions/0006-training-routes.md), and without an activation
-    there is no epilogue to fuse."""
-    if activation == NO_ACT and autograd.needs_grad(x, weight, bias):
+    its epilogue, except for a call without an activation where autograd records it or
+    at the table's ``linear_cublas_rows``. There cuBLAS (``F.linear``) runs: its forward
+    and backward were the faster on every measured training shape
+    (docs/decisions/0006-training-routes.md), its forward at those decode rows, and
+    without an activation there is no epilogue to fuse."""
+    if activation == NO_ACT and (
+        autograd.needs_grad(x, weight, bias) or cublas_rows(x)
+    ):
         return F.linear(x, weight, bias)
     return autograd.linear(x, weight, bias, activation)
+
+
+def cublas_rows(x: torch.Tensor) -> bool:
+    """Whether an eager inference call's rows are the table's ``linear_cublas_rows``."""
+    if torch.compiler.is_compiling():
+        return False
+    fewest, most = table(x.device).linear_cublas_rows
+    return fewest <= math.prod(x.shape[:-1]) <= most
 
 
 def one_launch_runs(x: torch.Tensor) -> bool:

@@ -88,6 +88,9 @@ class Tuning:
     # training calls below this many activation outputs, whose GeLU is one PyTorch op, run
     # eager's ops (our autograd Function's host time outweighs its GPU time saved)
     training_kernel_min_elements: int
+    # (fewest, most) rows of an inference linear without activation that cuBLAS computes:
+    # faster there than the decode tiles; (0, 0): none
+    linear_cublas_rows: tuple
     # the fewest rows whose FP8 GEMM cuBLAS computes (where it applies: Hopper)
     fp8_cublas_min_rows: int
     # the most rows of a swapped, split-K FP8 down GEMM where TMA tiles leave SMs idle
@@ -104,6 +107,7 @@ class Tuning:
         data["gemm"] = {k: tuple(v) for k, v in data["gemm"].items()}
         for key in ("capability", "flat_forward", "flat_backward", "source"):
             data[key] = tuple(data.get(key, ()))
+        data["linear_cublas_rows"] = tuple(data["linear_cublas_rows"])
         table = cls(**data)
         missing = set(GEMM_CLASSES) - set(table.gemm)
         if missing:
@@ -147,6 +151,7 @@ INTERPRETER = Tuning(
     flat_backward=(16384, 4),
     row_tile_elements=8192,
     training_kernel_min_elements=DEFAULT.training_kernel_min_elements,
+    linear_cublas_rows=(0, 0),  # tests size the route themselves
     fp8_cublas_min_rows=DEFAULT.fp8_cublas_min_rows,
     fp8_swap_rows=DEFAULT.fp8_swap_rows,
     source=("moderate tiles: the interpreter pays per program, not per element",),

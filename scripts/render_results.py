@@ -223,6 +223,8 @@ def compare_section(path: Path, result: dict) -> list[str]:
         f"medians of `triton.testing.do_bench` (CUDA-graph replay for 64 tokens or "
         f"fewer). Source: `{path.relative_to(ROOT)}`, made by `{compare_command(result)}`"
     )
+    if env.get("note"):
+        text += f"; {env['note']}"
     if tune != path and tune.exists():
         text += (
             f"; launch tables chosen from `{tune.relative_to(ROOT)}` "

@@ -46,18 +46,33 @@ def sweep(ours, key: str, fn, candidates: dict, graph: bool = False) -> tuple:
 
 
 def gemm_candidates(table, shape_class: str, tiles: list) -> dict:
-    """Candidates replacing one shape class's tiles, the table's own first."""
+    """Candidates replacing one shape class's tiles, the table's own first (every row
+    count on our GEMM: no ``linear_cublas_rows``)."""
     current = tuple(table.gemm[shape_class])
     return {
-        str(t): {"gemm": {**table.gemm, shape_class: t}}
+        str(t): {"gemm": {**table.gemm, shape_class: t}, "linear_cublas_rows": (0, 0)}
         for t in [current] + [tuple(t) for t in tiles if tuple(t) != current]
     }
+
+
+def cublas_rows(result: dict) -> tuple[int, int]:
+    """``linear_cublas_rows``: the decode classes' rows (1-16, 17-64) where cuBLAS beat the
+    fastest tile of the class's single GEMM, as one range ((0, 0): none)."""
+    spans = {16: (1, 16), 64: (17, 64)}
+    won = [
+        spans[tokens]
+        for tokens in spans
+        if (times := result[f"decode{tokens}_single"])["cublas"]
+        < min(v for k, v in times.items() if k != "cublas" and isinstance(v, float))
+    ]
+    return (won[0][0], won[-1][1]) if won else (0, 0)
 
 
 def gemms(ours, table) -> tuple[dict, dict]:
     """The 16-bit GEMM classes: TMA tiles at 8192 tokens (single with N = 16384, narrow
     single with N = 2048, dual), decode tiles at 16 and 64 tokens (CUDA-graph replay);
-    cuBLAS (twice, for the dual GEMM's two products) in the same run."""
+    cuBLAS (twice, for the dual GEMM's two products) in the same run, and where it beat
+    our decode tiles (``linear_cublas_rows``)."""
     wg, wu = (torch.randn(I, H, dtype=DT, device="cuda") / H**0.5 for _ in range(2))
     wd = torch.randn(H, I, dtype=DT, device="cuda") / I**0.5
     tma = [(128, 256, 64, 8, 8, 3), (128, 256, 64, 16, 8, 3), (128, 256, 64, 4, 8, 3),
@@ -95,7 +110,7 @@ def gemms(ours, table) -> tuple[dict, dict]:
         times, fields = sweep(ours, shape_class, fn, candidates, graph)
         result[shape_class] = {**times, "cublas": cublas_ms()}
         chosen[shape_class] = fields["gemm"][shape_class]
-    return result, {"gemm": chosen}
+    return result, {"gemm": chosen, "linear_cublas_rows": cublas_rows(result)}
 
 
 def decode_mlp(ours, table) -> tuple[dict, dict]:

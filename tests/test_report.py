@@ -19,6 +19,7 @@ import compare
 import e2e
 import render_results as render
 import report
+import tune
 
 BENCHMARKS = sorted((ROOT / "benchmarks").glob("benchmark*.py"))
 STAGES = ["linear_compile", "mlp_ours_dual_gemm"]
@@ -443,6 +444,22 @@ def test_compare_host_calls(fused_geglu, device, monkeypatch):
         assert {"eager", "compile", "ours"} <= set(peers), op
         for call in peers.values():
             call()
+
+
+def test_tune_cublas_rows():
+    """tune.py's ``linear_cublas_rows``: the decode classes' rows where cuBLAS beat the
+    fastest tile that ran, as one range."""
+
+    def sweep(cublas_16, cublas_64):
+        return {
+            "decode16_single": {"(a)": 2.0, "(b)": 1.0, "(c)": "OutOfResources", "cublas": cublas_16},
+            "decode64_single": {"(a)": 3.0, "cublas": cublas_64},
+        }  # fmt: skip
+
+    assert tune.cublas_rows(sweep(1.1, 2.9)) == (17, 64)
+    assert tune.cublas_rows(sweep(0.9, 2.9)) == (1, 64)
+    assert tune.cublas_rows(sweep(0.9, 3.1)) == (1, 16)
+    assert tune.cublas_rows(sweep(1.1, 3.1)) == (0, 0)
 
 
 def test_render_rounding():

@@ -706,7 +706,8 @@ def triton_change_section(device: str) -> list[str]:
     newer version's newest run of the row against the 3.6.0 run of it nearest in time
     (the same lease where there was one) of the same package tree."""
     runs: dict[str, list[tuple[datetime, dict[str, float], Path]]] = {}
-    for path in [*results("compare", device), *partial_compares(device)]:
+    kinds = ("compare", *PARTIAL_COMPARES)
+    for path in (path for kind in kinds for path in results(kind, device)):
         when = datetime.fromisoformat(measured_at(path))
         runs.setdefault(raw(path)["env"]["triton"], []).append(
             (when, our_times(load(path)), path)

@@ -462,6 +462,28 @@ def test_tune_cublas_rows():
     assert tune.cublas_rows(sweep(1.1, 3.1)) == (0, 0)
 
 
+def test_triton_change_pairs_runs_of_one_tree(tmp_path, monkeypatch):
+    """The table by Triton version sets each newer version's row against the Triton 3.6.0
+    run of it nearest in time among those of the same package tree."""
+    monkeypatch.setattr(render, "RESULTS", tmp_path)
+    monkeypatch.setattr(render, "ROOT", tmp_path.parent)
+
+    def run(stamp, triton, tree, ms):
+        env = {"device": "GPU X", "triton": triton, "git": tree}
+        mlp = {"forward": {"1": {"ours_layer": {"ms": ms}}}}
+        name = f"{stamp}-GPU_X-triton{triton}-compare-mlp.json"
+        (tmp_path / name).write_text(json.dumps({"env": env, "mlp": mlp}))
+
+    run("2026-01-01T00", "3.6.0", "a", 1.0)
+    run("2026-01-01T05", "3.9.0", "a", 1.1)
+    run("2026-01-01T06", "3.6.0", "b", 0.5)  # nearer, another tree
+    lines = render.triton_change_section("GPU X")
+    assert "| MLP layer, 1 token, forward | 1.000 | 1.100 | 1.100 |" in lines
+    run("2026-01-01T04", "3.6.0", "a", 1.1)
+    lines = render.triton_change_section("GPU X")
+    assert "| MLP layer, 1 token, forward | 1.100 | 1.100 | 1.000 |" in lines
+
+
 def test_render_rounding():
     assert [render.ms(v) for v in (3.12677, 0.2008, 0.0250164, 0.018946)] == [
         "3.127",

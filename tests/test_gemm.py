@@ -93,9 +93,9 @@ def test_linear_training_without_activation_is_cublas(fused_geglu, device, monke
 
 
 def test_linear_cublas_rows(fused_geglu, device, monkeypatch, table_fields):
-    """At the table's ``linear_cublas_rows`` an inference ``linear`` or ``layers.Linear``
-    without activation is ``F.linear``'s (no launch, eager's values exactly); outside
-    them, or with an activation, our GEMM."""
+    """At the table's ``linear_cublas_rows`` an eager inference ``linear`` or
+    ``layers.Linear`` without activation is ``F.linear``'s (no launch, eager's values
+    exactly); outside them, with an activation or compiled, our GEMM."""
     table_fields(linear_cublas_rows=(17, 64))
     w = torch.randn(16, 24, device=device)
     b = torch.randn(16, device=device)
@@ -111,7 +111,13 @@ def test_linear_cublas_rows(fused_geglu, device, monkeypatch, table_fields):
         for rows in (16, 65):
             fused_geglu.linear(torch.randn(rows, 24, device=device), w, b)
         fused_geglu.linear(torch.randn(40, 24, device=device), w, b, "gelu")
-    assert len(launched) == 3 and all(k.startswith("gemm") for k in launched)
+        # Compiled: no branch on the rows (it would recompile), our GEMM.
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda x: fused_geglu.linear(x, w, b), backend="eager", fullgraph=True
+        )
+        compiled(torch.randn(40, 24, device=device))
+    assert len(launched) == 4 and all(k.startswith("gemm") for k in launched)
 
 
 @pytest.mark.parametrize("aligned", [True, False])

@@ -1,7 +1,8 @@
 """The route policy, used by ``geglu_mlp`` and by every layer: which kernel computes each
 part of a GeGLU MLP, and when a layer must leave a module to its own forward.
 
-Measured on the H200 (docs/decisions/0002, 0003, 0006):
+Measured on the H200, the sizes in the tuning tables on the H100 too (docs/decisions/0002,
+0003, 0006, 0009):
 - gate/up: the dual GEMM (one kernel) where the TMA kernel runs, for 16-bit operands: in
   inference gate and up never reach memory; in training it stores them for backward,
   which writes their gradients over them and runs cuBLAS (autograd.GeGLULinear).

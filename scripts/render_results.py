@@ -349,13 +349,18 @@ def training_section(training: dict) -> list[str]:
     return lines + table(head, rows(gpu_timed, gpu_cell)) + [""]
 
 
+def commit_of(env: dict) -> str:
+    """The package tree a run measured: the commit its JSON names (``source_commit`` where
+    the device's own git metadata was not the tree's)."""
+    return env.get("source_commit") or env["git"]
+
+
 def training_rerun_section(path: Path, result: dict) -> list[str]:
     """compare.py --only training, run with or after the newest comparison."""
     env = result["env"]
-    commit = env.get("source_commit") or env["git"]
     note = f"; {env['note']}" if env.get("note") else ""
     lines = paragraph(
-        f"Training rows measured in a run of their own, {stamp(env)}, at {commit} "
+        f"Training rows measured in a run of their own, {stamp(env)}, at {commit_of(env)} "
         f"(every peer in the same run{note}). Source: `{path.relative_to(ROOT)}`."
     )
     return lines + training_section(result["training"])
@@ -650,8 +655,12 @@ def raw(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in version.split("."))
+
+
 def version_key(path: Path) -> tuple[int, ...]:
-    return tuple(int(v) for v in raw(path)["env"]["triton"].split("."))
+    return version_tuple(raw(path)["env"]["triton"])
 
 
 def sweeps_8192(device: str) -> list[Path]:
@@ -695,36 +704,37 @@ def our_times(result: dict) -> dict[str, float]:
     return times
 
 
-def tree(path: Path) -> str:
-    """The package tree a run measured: the commit its JSON names."""
-    env = raw(path)["env"]
-    return env.get("source_commit") or env["git"]
-
-
 def triton_change_section(device: str) -> list[str]:
     """Our rows on ``device`` under each newer Triton version against Triton 3.6.0's: the
     newer version's newest run of the row against the 3.6.0 run of it nearest in time
     (the same lease where there was one) of the same package tree."""
-    runs: dict[str, list[tuple[datetime, dict[str, float], Path]]] = {}
+    # {Triton version: [(when, package tree, {row: ms}, path)]}
+    runs: dict[str, list[tuple[datetime, str, dict[str, float], Path]]] = {}
     kinds = ("compare", *PARTIAL_COMPARES)
     for path in (path for kind in kinds for path in results(kind, device)):
-        when = datetime.fromisoformat(measured_at(path))
-        runs.setdefault(raw(path)["env"]["triton"], []).append(
-            (when, our_times(load(path)), path)
+        result = load(path)
+        env = result["env"]
+        runs.setdefault(env["triton"], []).append(
+            (
+                datetime.fromisoformat(measured_at(path)),
+                commit_of(env),
+                our_times(result),
+                path,
+            )
         )
     base = runs.pop("3.6.0", [])
     lines = []
-    for version in sorted(runs, key=lambda v: tuple(map(int, v.split(".")))):
+    for version in sorted(runs, key=version_tuple):
         body, sources = [], set()
-        rows = dict.fromkeys(row for _, times, _ in runs[version] for row in times)
+        rows = dict.fromkeys(row for *_, times, _ in runs[version] for row in times)
         for row in rows:
-            when, times, path = max(
-                (r for r in runs[version] if row in r[1]), key=lambda r: r[0]
+            when, tree, times, path = max(
+                (r for r in runs[version] if row in r[2]), key=lambda r: r[0]
             )
-            pairs = [r for r in base if row in r[1] and tree(r[2]) == tree(path)]
+            pairs = [r for r in base if row in r[2] and r[1] == tree]
             if not pairs:
                 continue
-            _, old, old_path = min(pairs, key=lambda r: abs(r[0] - when))
+            _, _, old, old_path = min(pairs, key=lambda r: abs(r[0] - when))
             sources |= {path, old_path}
             ratio = times[row] / old[row]
             body.append([row, ms(old[row]), ms(times[row]), f"{ratio:.3f}"])
@@ -898,7 +908,7 @@ def summary_families_section(paths: list[Path]) -> list[str]:
         ]
         rows.append([name, f"{size['tokens']} x {size['hidden']}", *cells])
     head = ["feed-forward", "tokens x hidden"]
-    head += [r["env"].get("device") or r["env"]["gpu"] for r in results]
+    head += [device_of(p) for p in paths]
     return lines + table(head, rows) + [""]
 
 

@@ -663,24 +663,19 @@ def version_key(path: Path) -> tuple[int, ...]:
     return version_tuple(raw(path)["env"]["triton"])
 
 
-def sweeps_8192(device: str) -> list[Path]:
-    """The newest 8192-token GEMM sweep of each Triton version on ``device``, by
+def newest_per_triton(device: str, *kinds: str) -> list[Path]:
+    """The newest ``*-<kind>.json`` of each kind and Triton version on ``device``, by
     version."""
-    by_triton = {raw(p)["env"]["triton"]: p for p in results("sweep-8192", device)}
-    return sorted(by_triton.values(), key=version_key)
+    newest_of = {
+        (kind, raw(p)["env"]["triton"]): p
+        for kind in kinds
+        for p in results(kind, device)
+    }
+    return sorted(newest_of.values(), key=version_key)
 
 
 # compare.py runs of some sections, kept beside the full comparison by what they measured.
 PARTIAL_COMPARES = ("compare-activation-linear", "compare-linear", "compare-mlp")
-
-
-def partial_compares(device: str) -> list[Path]:
-    """The newest partial comparison (PARTIAL_COMPARES) of each kind and Triton version on
-    ``device``, by version."""
-    newest_of = {}
-    for kind in PARTIAL_COMPARES:
-        newest_of |= {(kind, raw(p)["env"]["triton"]): p for p in results(kind, device)}
-    return sorted(newest_of.values(), key=version_key)
 
 
 def our_times(result: dict) -> dict[str, float]:
@@ -749,13 +744,6 @@ def triton_change_section(device: str) -> list[str]:
             head = ["row", "Triton 3.6.0", f"Triton {version}", f"{version} / 3.6.0"]
             lines += table(head, body) + [""]
     return lines
-
-
-def first_calls(device: str) -> list[Path]:
-    """The newest first-call run (benchmarks/first_call.py) of each Triton version on
-    ``device``, by version."""
-    by_triton = {raw(p)["env"]["triton"]: p for p in results("first-call", device)}
-    return sorted(by_triton.values(), key=version_key)
 
 
 FIRST_CALL_MODES = {
@@ -974,18 +962,18 @@ def render() -> str:
         rerun = newest("compare-training", gpu)
         if rerun and measured_at(rerun) >= measured_at(compare):
             lines += training_rerun_section(rerun, load(rerun))
-        for path in partial_compares(gpu):
+        for path in newest_per_triton(gpu, *PARTIAL_COMPARES):
             lines += compare_section(path, load(path))
         lines += triton_change_section(gpu)
         for kind, section in SECTIONS.items():
             path = newest_families(gpu) if kind == "families" else newest(kind, gpu)
             if path and path.name.endswith(f"-{kind}.json"):  # not a comparison's
                 lines += section(path, load(path))
-        if paths := sweeps_8192(gpu):
+        if paths := newest_per_triton(gpu, "sweep-8192"):
             lines += sweep_8192_section(paths)
         if path := newest("sweep-decode", gpu):
             lines += sweep_decode_section(path)
-        if paths := first_calls(gpu):
+        if paths := newest_per_triton(gpu, "first-call"):
             lines += first_call_section(paths)
         if path := newest("report", gpu):
             lines += report_section(path, load(path), link_root="../")

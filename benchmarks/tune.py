@@ -113,6 +113,20 @@ def gemms(ours, table) -> tuple[dict, dict]:
     return result, {"gemm": chosen, "linear_cublas_rows": cublas_rows(result)}
 
 
+def one_launch_candidates(table) -> dict:
+    """Candidates replacing the one-launch MLP's tiles (BLOCK_I, BLOCK_K, BLOCK_N, warps,
+    stages), the table's own first."""
+    keys = ("BLOCK_I", "BLOCK_K", "BLOCK_N", "num_warps", "num_stages")
+    tiles = [(128, 128, 256, 8, 3), (128, 128, 256, 8, 4), (128, 128, 128, 8, 3),
+             (128, 128, 128, 8, 4), (64, 128, 256, 8, 3), (64, 128, 128, 4, 4),
+             (128, 256, 256, 8, 2), (128, 128, 256, 4, 3)]  # fmt: skip
+    current = tuple(table.one_launch[k] for k in keys)
+    return {
+        str(t): {"one_launch": {**table.one_launch, **dict(zip(keys, t))}}
+        for t in [current] + [t for t in tiles if t != current]
+    }
+
+
 def decode_mlp(ours, table) -> tuple[dict, dict]:
     """The one-launch MLP's tiles at 1 and 16 tokens (CUDA-graph replay), against the
     weight-streaming floor (the three weights at the measured copy rate) and eager; the
@@ -120,15 +134,7 @@ def decode_mlp(ours, table) -> tuple[dict, dict]:
     gm = ours.gemm
     wg, wu = (torch.randn(I, H, dtype=DT, device="cuda") / H**0.5 for _ in range(2))
     wd = torch.randn(H, I, dtype=DT, device="cuda") / I**0.5
-    keys = ("BLOCK_I", "BLOCK_K", "BLOCK_N", "num_warps", "num_stages")
-    tiles = [(128, 128, 256, 8, 3), (128, 128, 256, 8, 4), (128, 128, 128, 8, 3),
-             (128, 128, 128, 8, 4), (64, 128, 256, 8, 3), (64, 128, 128, 4, 4),
-             (128, 256, 256, 8, 2), (128, 128, 256, 4, 3)]  # fmt: skip
-    current = tuple(table.mlp[k] for k in keys)
-    candidates = {
-        str(t): {"mlp": {**table.mlp, **dict(zip(keys, t))}}
-        for t in [current] + [t for t in tiles if t != current]
-    }
+    candidates = one_launch_candidates(table)
     result = {"floor_ms": 3 * H * I * 2 / (lib.ceilings()["copy_TBps"] * 1e9)}
     for tokens in (1, 16):
         x = torch.randn(tokens, H, dtype=DT, device="cuda")

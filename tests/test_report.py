@@ -462,6 +462,23 @@ def test_tune_cublas_rows():
     assert tune.cublas_rows(sweep(1.1, 3.1)) == (0, 0)
 
 
+def test_tune_candidates_apply_to_every_table(fused_geglu):
+    """Each candidate tune.py sweeps is a table in force (tuning.use) holding its tiles,
+    for every shipped table: a candidate naming no table field fails here, not on a GPU."""
+    tuning = fused_geglu.tuning
+    for table in tuning.SHIPPED.values():
+        candidates = [
+            *tune.gemm_candidates(table, "decode64_single", [(64, 128, 128, 1, 8, 3)]).values(),
+            *tune.one_launch_candidates(table).values(),
+        ]  # fmt: skip
+        assert len(candidates) > 2
+        for fields in candidates:
+            with tuning.use("cpu", table, **fields) as in_force:
+                for name, value in fields.items():
+                    assert getattr(in_force, name) == value, (table.gpu, name)
+                assert tuning.table(torch.device("cpu")) is in_force
+
+
 def test_triton_change_pairs_runs_of_one_tree(tmp_path, monkeypatch):
     """The table by Triton version sets each newer version's row against the Triton 3.6.0
     run of it nearest in time among those of the same package tree."""

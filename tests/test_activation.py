@@ -103,20 +103,25 @@ def test_row_tiles(fused_geglu, device):
 
 
 @pytest.mark.parametrize("width", [1152, 2560])
-def test_strided_halves_at_family_widths(fused_geglu, device, width):
+def test_strided_halves_at_family_widths(fused_geglu, device, width, table_fields):
     """The halves of one projection output (ModernBERT, SD GEGLU) at their real widths
-    (the row tiles chosen for them), forward and backward."""
-    both = torch.randn(24, 2 * width, device=device, dtype=torch.bfloat16) * 2
-    gate, up = both[:, :width], both[:, width:]
-    out = fused_geglu.geglu(gate, up, "none")
-    assert_close_to_ref(out, geglu_ref(gate, up, "none"), eager_geglu(gate, up, "none"))
-    leaf = both.clone().requires_grad_()
-    dout = torch.randn(24, width, device=device, dtype=torch.bfloat16)
-    fused_geglu.geglu(leaf[:, :width], leaf[:, width:], "none").backward(dout)
-    _, *ref = fwd_bwd(eager_geglu, cast([gate, up], torch.float64), dout)
-    _, *eager = fwd_bwd(eager_geglu, [gate, up], dout)
-    assert_close_to_ref(leaf.grad[:, :width], ref[0], eager[0])
-    assert_close_to_ref(leaf.grad[:, width:], ref[1], eager[1])
+    (the row tiles chosen for them), forward and backward, under the row tiles of every
+    shipped table."""
+    tiles = sorted({t.row_tile_elements for t in fused_geglu.tuning.SHIPPED.values()})
+    for row_tile_elements in tiles:
+        table_fields(row_tile_elements=row_tile_elements)
+        both = torch.randn(24, 2 * width, device=device, dtype=torch.bfloat16) * 2
+        gate, up = both[:, :width], both[:, width:]
+        out = fused_geglu.geglu(gate, up, "none")
+        eager = eager_geglu(gate, up, "none")
+        assert_close_to_ref(out, geglu_ref(gate, up, "none"), eager)
+        leaf = both.clone().requires_grad_()
+        dout = torch.randn(24, width, device=device, dtype=torch.bfloat16)
+        fused_geglu.geglu(leaf[:, :width], leaf[:, width:], "none").backward(dout)
+        _, *ref = fwd_bwd(eager_geglu, cast([gate, up], torch.float64), dout)
+        _, *eager = fwd_bwd(eager_geglu, [gate, up], dout)
+        assert_close_to_ref(leaf.grad[:, :width], ref[0], eager[0])
+        assert_close_to_ref(leaf.grad[:, width:], ref[1], eager[1])
 
 
 @pytest.mark.parametrize("shape", [(0, 16), (4, 0), (2, 0, 8)], ids=str)

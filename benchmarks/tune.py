@@ -194,6 +194,12 @@ def elementwise(ours, table) -> tuple[dict, dict]:
     return result, chosen | candidates[fastest(total)]
 
 
+def where(path: Path) -> str:
+    """``path`` as a table's source names it: from the checkout's root where it lies inside."""
+    path = path.resolve()
+    return str(path.relative_to(lib.ROOT) if path.is_relative_to(lib.ROOT) else path)
+
+
 SECTIONS = {"gemm": gemms, "decode": decode_mlp, "elementwise": elementwise}
 
 
@@ -223,7 +229,7 @@ def main():
         gpu=env["device"],
         capability=(props.major, props.minor),
         sms=props.multi_processor_count,
-        source=(f"{'/'.join(out.parts[-3:])}: {', '.join(args.only)}",),
+        source=(f"{where(out)}: {', '.join(args.only)}",),
         **fields,
     )
     result["table"] = json.loads(new.to_json())

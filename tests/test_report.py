@@ -462,6 +462,14 @@ def test_tune_cublas_rows():
     assert tune.cublas_rows(sweep(1.1, 3.1)) == (0, 0)
 
 
+def test_tune_source_names_the_sweep(tmp_path):
+    """A written table's source names its sweep from the checkout's root where the sweep
+    lies inside it, whole where it does not."""
+    inside = lib.ROOT / "benchmarks" / "results" / "sweep.json"
+    assert tune.where(inside) == "benchmarks/results/sweep.json"
+    assert tune.where(tmp_path / "sweep.json") == str(tmp_path.resolve() / "sweep.json")
+
+
 def test_tune_candidates_apply_to_every_table(fused_geglu):
     """Each candidate tune.py sweeps is a table in force (tuning.use) holding its tiles,
     for every shipped table: a candidate naming no table field fails here, not on a GPU."""

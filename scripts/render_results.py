@@ -927,7 +927,8 @@ def summary_e2e_section(paths: list[Path]) -> list[str]:
     lines = paragraph(
         f"Gemma-2B-shaped model, {' and '.join(map(str, layers))} layers, bf16 "
         f"(`benchmarks/e2e.py`): eager, then fused-geglu, ms (`generate()`: per new "
-        f"token); generated tokens "
+        f"token), medians of interleaved rounds, and the median of the rounds' speed-ups "
+        f"(steady against a host that drifts over a run); generated tokens "
         f"{'equal' if all(e is not False for e in equal) else 'NOT all equal to'} "
         f"eager's:"
     )
@@ -936,7 +937,8 @@ def summary_e2e_section(paths: list[Path]) -> list[str]:
     for res in results:
         env = res["env"]
         cells = {
-            r["task"]: f"{r['eager_ms']:.2f}, {r['ours_ms']:.2f} ({r['speedup']:.2f}x)"
+            r["task"]: f"{r['eager_ms']:.2f}, {r['ours_ms']:.2f} "
+            f"({r['speedup_median_of_rounds']:.2f}x)"
             for r in res["rows"]
         }
         label = (

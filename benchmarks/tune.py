@@ -129,8 +129,10 @@ def one_launch_candidates(table) -> dict:
 
 def decode_mlp(ours, table) -> tuple[dict, dict]:
     """The one-launch MLP's tiles at 1 and 16 tokens (CUDA-graph replay), against the
-    weight-streaming floor (the three weights at the measured copy rate) and eager; the
-    candidate with the least time summed over both."""
+    weight-streaming floor (the three weights at the measured copy rate), eager and the
+    two kernels: the candidate with the least time summed over both, and
+    ``one_launch_graph_max_tokens`` the most tokens up to which it beat the two kernels at
+    each count measured (0: at none)."""
     gm = ours.gemm
     wg, wu = (torch.randn(I, H, dtype=DT, device="cuda") / H**0.5 for _ in range(2))
     wd = torch.randn(H, I, dtype=DT, device="cuda") / I**0.5
@@ -152,13 +154,30 @@ def decode_mlp(ours, table) -> tuple[dict, dict]:
             ),
             True,
         )
+        with ours.tuning.use("cuda", one_launch_graph_max_tokens=0):
+            row["two_kernels"] = lib.bench_ms(
+                lambda: ours.geglu_mlp(x, wg, wu, wd), True
+            )
     total = {
         name: result["1"][name] + result["16"][name]
         for name in candidates
         if isinstance(result["1"][name], float)
         and isinstance(result["16"][name], float)
     }
-    return result, candidates[fastest(total)]
+    best = fastest(total)
+    result["one_launch_graph_max_tokens"] = most = graph_max_tokens(result, best)
+    return result, {**candidates[best], "one_launch_graph_max_tokens": most}
+
+
+def graph_max_tokens(result: dict, best: str) -> int:
+    """``one_launch_graph_max_tokens``: the most tokens up to which candidate ``best`` beat
+    the two kernels at each token count the decode sweep measured (0: not at the first)."""
+    most = 0
+    for tokens in sorted(int(t) for t in result if t.isdigit()):
+        if result[str(tokens)][best] >= result[str(tokens)]["two_kernels"]:
+            break
+        most = tokens
+    return most
 
 
 def elementwise(ours, table) -> tuple[dict, dict]:

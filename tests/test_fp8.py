@@ -1093,46 +1093,50 @@ def test_fp8_mlp_in_cuda_graph(fused_geglu, device, monkeypatch):
     else: the dual GEMM zeroes the down GEMM's split-K counters (no memset node); the
     replays give what those kernels give eagerly (deterministic split-K sums: equal), and
     the eager one launch is within the rule (its down product sums in f16 MMAs, the down
-    GEMM's in e4m3: not equal)."""
+    GEMM's in e4m3: not equal). So also where the table takes 16-bit captures of every
+    one-launch token count in one launch."""
     weights, scales, biases = fp8_params(256, 1024, 256, device, True)
     launched = spy_launches(fused_geglu, monkeypatch)
-    for tokens in (1, fused_geglu.tuning.ONE_LAUNCH_MAX_TOKENS):
-        x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
-        args = (x, weights[0], scales[0], weights[1], scales[1], weights[2], scales[2])
-        with torch.no_grad():
-            one_launch = fused_geglu.geglu_mlp_fp8(*args, *biases).clone()
-            assert launched == ["one_launch_mlp_fp8_kernel"], tokens
-            check_mlp(one_launch, x, weights, scales, biases, "tanh", fused_geglu)
-            torch.use_deterministic_algorithms(True)
-            try:  # the two kernels eagerly (compiled before the capture)
-                expected = fused_geglu.geglu_mlp_fp8(*args, *biases).clone()
-            finally:
-                torch.use_deterministic_algorithms(False)
+    max_tokens = fused_geglu.tuning.ONE_LAUNCH_MAX_TOKENS
+    use = fused_geglu.tuning.use(device, one_launch_graph_max_tokens=max_tokens)
+    with use:
+        for tokens in (1, max_tokens):
+            x = torch.randn(tokens, 256, dtype=torch.bfloat16, device=device)
+            args = (x, *(t for pair in zip(weights, scales) for t in pair))
+            with torch.no_grad():
+                one_launch = fused_geglu.geglu_mlp_fp8(*args, *biases).clone()
+                assert launched == ["one_launch_mlp_fp8_kernel"], tokens
+                check_mlp(one_launch, x, weights, scales, biases, "tanh", fused_geglu)
+                torch.use_deterministic_algorithms(True)
+                try:  # the two kernels eagerly (compiled before the capture)
+                    expected = fused_geglu.geglu_mlp_fp8(*args, *biases).clone()
+                finally:
+                    torch.use_deterministic_algorithms(False)
+                launched.clear()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = fused_geglu.geglu_mlp_fp8(*args, *biases)
+            assert launched == ["gemm_fp8_kernel", "gemm_fp8_kernel"], tokens
+            assert any(
+                p.split > 1 for p in fused_geglu.fp8.gemm._PLANS.values()
+            )  # the down's
             launched.clear()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = fused_geglu.geglu_mlp_fp8(*args, *biases)
-        assert launched == ["gemm_fp8_kernel", "gemm_fp8_kernel"], tokens
-        assert any(
-            p.split > 1 for p in fused_geglu.fp8.gemm._PLANS.values()
-        )  # the down's
-        launched.clear()
-        for _ in range(3):
-            out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, expected), tokens
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CUDA]
-        ) as p:
-            graph.replay()
-            torch.cuda.synchronize()
-        gpu = [
-            e.name
-            for e in p.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA
-        ]
-        assert gpu == ["gemm_fp8_kernel", "gemm_fp8_kernel"], (tokens, gpu)
+            for _ in range(3):
+                out.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, expected), tokens
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]
+            ) as p:
+                graph.replay()
+                torch.cuda.synchronize()
+            gpu = [
+                e.name
+                for e in p.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA
+            ]
+            assert gpu == ["gemm_fp8_kernel", "gemm_fp8_kernel"], (tokens, gpu)
 
 
 # A fresh process: no kernel of the capture path has run before the warm-up.
@@ -1183,12 +1187,13 @@ print("replayed")
 
 @pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
-@pytest.mark.parametrize("tokens", [2, 16])
+@pytest.mark.parametrize("tokens", [1, 2, 16])
 def test_cold_capture_after_eager_warm_up(kind, tokens):
     """A capture after the usual eager warm-up, in a fresh process, at token counts whose
     eager calls take the one launch while the capture takes the two kernels (their first
-    launch, inside the capture): the replay gives the eager result (FP8: the captured
-    kernels' eager result, equal). A cold FP8 capture at 16 tokens failed on the H200
+    launch, inside the capture), or the one launch again (bf16 at 1 token where the GPU's
+    table says so): the replay gives the eager result (FP8: the captured kernels' eager
+    result, equal). A cold FP8 capture at 16 tokens failed on the H200
     (docs/decisions/0003-one-launch-decode-mlp.md)."""
     code = _COLD_CAPTURE.format(
         tests=str(ROOT / "tests"), tree=str(ROOT / "build" / "torch-cuda"),

@@ -383,33 +383,76 @@ def test_mlp_one_launch_op_compiles(fused_geglu, device):
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")
-def test_mlp_one_launch_cuda_graph(fused_geglu, device, monkeypatch):
-    """In a CUDA graph the route takes the two kernels; the one-launch op captured directly
-    (its own zeroed sums) replays to the eager call's result."""
+@pytest.mark.parametrize("graph_max_tokens", [0, 1, 16])
+def test_mlp_one_launch_cuda_graph(fused_geglu, device, monkeypatch, graph_max_tokens):
+    """In a CUDA graph the route takes the one launch up to the table's
+    ``one_launch_graph_max_tokens`` tokens (each value on every GPU, whatever its own
+    table says) and the two kernels beyond; captured, it has its own zeroed sums, and each
+    replay computes its new input's MLP (the sums left zero for the next) within the rule
+    of float64. The output starts as NaN on every replay."""
     hidden, inter, dtype = 256, 1024, torch.bfloat16
     ps = params(hidden, inter, dtype, device, True)
-    x = torch.randn(1, hidden, dtype=dtype, device=device)
     launched = spy_launches(fused_geglu, monkeypatch)
-    with torch.no_grad():
-        expected = fused_geglu.geglu_mlp(x, *ps)
-        assert launched == ["one_launch_mlp_kernel"]
-        launched.clear()
-        fused_geglu.library.one_launch_mlp.op(x, *ps, "tanh")  # compiled before capture
-        fused_geglu.geglu_linear(x, *ps[:2], *ps[3:5])
+    use = fused_geglu.tuning.use(device, one_launch_graph_max_tokens=graph_max_tokens)
+    with use, torch.no_grad():
+        for tokens in (1, 2, 16):
+            x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+            fused_geglu.geglu_mlp(x, *ps)  # eager: the one launch, compiled
+            fused_geglu.geglu_linear(x, *ps[:2], *ps[3:5])  # the dual GEMM, compiled
+            launched.clear()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                routed = fused_geglu.geglu_mlp(x, *ps)
+            one = tokens <= graph_max_tokens
+            assert launched == ["one_launch_mlp_kernel" if one else "gemm_kernel"]
+            launched.clear()
+            for _ in range(3):
+                x.copy_(torch.randn_like(x))
+                routed.fill_(float("nan"))
+                graph.replay()
+                ref = eager_geglu_mlp(x.double(), *cast(ps, torch.float64))
+                floor = reference.accumulation_floor(ref, inter)
+                what = f"{tokens} tokens, graph_max_tokens {graph_max_tokens}"
+                assert_close_to_ref(
+                    routed, ref, eager_geglu_mlp(x, *ps), floor=floor, what=what
+                )
+            assert launched == []
+    assert _scratch_is_zero(fused_geglu)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="CUDA graphs need a GPU")
+def test_layer_one_launch_in_cuda_graph(fused_geglu, device, monkeypatch):
+    """The layer's prepared one launch in a CUDA graph where the table takes it there (1
+    token here): captured without an eager call before it (no cuBLAS handle made inside
+    the capture: none needed), the direct launch recorded, its sums fresh and zeroed;
+    replays on new inputs within the rule of float64."""
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaMLP
+
+    dtype, layer = torch.bfloat16, fused_geglu.layers.GeGLUMLP
+    config = GemmaConfig(hidden_size=256, intermediate_size=1024, hidden_act="gelu_pytorch_tanh")  # fmt: skip
+    mlp = GemmaMLP(config).to(device, dtype)
+    reference_mlp = copy.deepcopy(mlp).double()
+    launched = spy_launches(fused_geglu, monkeypatch)
+    x = torch.randn(1, 1, 256, dtype=dtype, device=device)
+    with fused_geglu.tuning.use(device, one_launch_graph_max_tokens=1), torch.no_grad():
+        side = torch.cuda.Stream()  # warm-up on a side stream, as torch's docs ask
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            layer.forward(mlp, x)
+        torch.cuda.current_stream().wait_stream(side)
         launched.clear()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            routed = fused_geglu.geglu_mlp(x, *ps)
-            out = fused_geglu.library.one_launch_mlp.op(x, *ps, "tanh")
-        assert launched == ["gemm_kernel", "one_launch_mlp_kernel"]
+            out = layer.forward(mlp, x)
+        assert launched == ["one_launch_mlp_kernel"]
         for _ in range(3):
-            out.zero_()
-            routed.zero_()
+            x.copy_(torch.randn_like(x))
+            out.fill_(float("nan"))
             graph.replay()
-            torch.cuda.synchronize()
-            # fp32 sums in another order: at most one bf16 unit apart
-            torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)
-            torch.testing.assert_close(routed, expected, atol=0, rtol=2**-7)
+            ref = reference_mlp(x.double())
+            floor = reference.accumulation_floor(ref, 1024)
+            assert_close_to_ref(out, ref, mlp(x), floor=floor, what="replay")
     assert _scratch_is_zero(fused_geglu)
 
 

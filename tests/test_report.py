@@ -462,6 +462,24 @@ def test_tune_cublas_rows():
     assert tune.cublas_rows(sweep(1.1, 3.1)) == (0, 0)
 
 
+def test_tune_graph_max_tokens():
+    """CUDA graphs take the one launch up to the most tokens where the chosen tiles beat
+    the two kernels at every count measured up to there."""
+
+    def sweep(one_1, one_16):
+        return {
+            "floor_ms": 0.06,
+            "1": {"(a)": one_1, "(b)": 0.05, "eager": 0.08, "two_kernels": 0.074},
+            "16": {"(a)": one_16, "(b)": 0.05, "eager": 0.09, "two_kernels": 0.076},
+        }
+
+    assert tune.graph_max_tokens(sweep(0.073, 0.085), "(a)") == 1
+    assert tune.graph_max_tokens(sweep(0.073, 0.075), "(a)") == 16
+    assert tune.graph_max_tokens(sweep(0.075, 0.075), "(a)") == 0
+    assert tune.graph_max_tokens(sweep(0.074, 0.070), "(a)") == 0
+    assert tune.graph_max_tokens(sweep(0.075, 0.075), "(b)") == 16
+
+
 def test_tune_source_names_the_sweep(tmp_path):
     """A written table's source names its sweep from the checkout's root where the sweep
     lies inside it, whole where it does not."""

@@ -9,7 +9,7 @@ one_launch_mlp_fp8_kernel (fp8/kernels.py).
                         worked out once: the layers' decode path, where host time is the cost
 
 The kernel's fp32 sums and arrival count live in scratch kept per (device, stream) and left
-zero by every launch (launch.stream_scratch).
+zero by every launch; a CUDA graph capture takes fresh zeroed ones (launch.stream_scratch).
 """
 
 import torch
@@ -26,7 +26,7 @@ from .launch import (
     current_device_and_stream,
     stream_scratch,
 )
-from .tuning import ONE_LAUNCH_MAX_TOKENS, one_launch_config
+from .tuning import ONE_LAUNCH_MAX_TOKENS, one_launch_config, table
 
 # The fp32 sums [M, N] and the arrival count, both zero between launches (the last program
 # of each launch zeroes them).
@@ -84,16 +84,20 @@ def one_launch_mlp(
     )  # fmt: skip
 
 
-def one_launch_fits(x: torch.Tensor) -> bool:
-    """Whether one launch may compute the MLP of an eager call on ``x``: 1 to
-    ONE_LAUNCH_MAX_TOKENS rows, atomics allowed (not deterministic), outside a CUDA graph
-    capture."""
+def one_launch_fits(x: torch.Tensor, graph_max_tokens: int = 0) -> bool:
+    """Whether one launch may compute the MLP of a call on ``x``: 1 to
+    ONE_LAUNCH_MAX_TOKENS rows, atomics allowed (not deterministic), and outside a CUDA
+    graph capture, or inside one for at most ``graph_max_tokens`` rows (the table's
+    ``one_launch_graph_max_tokens`` for 16-bit weights)."""
     hidden = x.shape[-1]
     m = x.numel() // hidden if hidden else 0
-    return (
-        0 < m <= ONE_LAUNCH_MAX_TOKENS
-        and not torch.are_deterministic_algorithms_enabled()
-        and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    if (
+        not 0 < m <= ONE_LAUNCH_MAX_TOKENS
+        or torch.are_deterministic_algorithms_enabled()
+    ):
+        return False
+    return m <= graph_max_tokens or not (
+        x.is_cuda and torch.cuda.is_current_stream_capturing()
     )
 
 
@@ -110,12 +114,12 @@ def _plan(
     key = (M, H, I, N, dtype, device, activation, strides)
     plan = _PLANS.get(key)
     if plan is None:
-        if device.type == "cuda":
+        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             # Eager calls of up to ONE_LAUNCH_MAX_TOKENS rows take this one launch and never
-            # reach cuBLAS; a CUDA graph captured after them runs the down projection
+            # reach cuBLAS; a CUDA graph captured after them may run the down projection
             # there (route.down_projection), and cuBLAS cannot create its handle inside
-            # a capture (this launch is never planned in one): created now, as an eager
-            # warm-up of the module's own forward would have.
+            # a capture: created now, as an eager warm-up of the module's own forward
+            # would have.
             with torch.cuda.device(device):
                 torch.cuda.current_blas_handle()
         cfg = one_launch_config(I, dtype, device, fp8)
@@ -137,12 +141,12 @@ def _plan(
 class OneLaunchMLP:
     """``one_launch_mlp`` for one module's weights: a call on a contiguous ``x`` of 1 to
     ONE_LAUNCH_MAX_TOKENS rows, in the weights' dtype (FP8: ``dtype``) and on their
-    device, outside a CUDA graph capture (the caller's checks: the layers' routes),
-    allocates the output and launches."""
+    device, that one_launch_fits (the caller's checks: the layers' routes), allocates
+    the output and launches."""
 
     __slots__ = ("activation", "addresses", "device", "device_index", "device_type",
-                 "dtype", "hidden", "operands", "plans", "scales", "sizes",
-                 "strides", "weights_need_grad")  # fmt: skip
+                 "dtype", "graph_max_tokens", "hidden", "operands", "plans", "scales",
+                 "sizes", "strides", "weights_need_grad")  # fmt: skip
 
     def __init__(self, w_gate, w_up, w_down, b_gate, b_up, b_down, activation: int,
                  scales: tuple | None = None, dtype: torch.dtype | None = None):  # fmt: skip
@@ -165,6 +169,10 @@ class OneLaunchMLP:
         )
         self.device_type = self.device.type  # what the route's autocast check asks
         self.device_index = w_gate.get_device()  # -1 on the CPU (the interpreter)
+        # fixed while the route stands (a changed table drops the routes)
+        self.graph_max_tokens = (
+            0 if scales else table(self.device).one_launch_graph_max_tokens
+        )
         self.hidden, self.sizes = H, (H, I, N)
         # Every stride argument after x's (H, 1): the weights', out's (N, 1), the biases',
         # the scales'.
@@ -192,7 +200,7 @@ class OneLaunchMLP:
             and not (
                 torch.is_grad_enabled() and (x.requires_grad or self.weights_need_grad)
             )
-            and one_launch_fits(x)
+            and one_launch_fits(x, self.graph_max_tokens)
             and not torch.is_autocast_enabled(self.device_type)
             and not transforms_active()
         )
@@ -213,8 +221,12 @@ class OneLaunchMLP:
             fixed = (self.dtype, self.device, self.activation, (H, 1, *self.strides))
             plan = self.plans[M] = _plan(M, H, I, N, *fixed, bool(self.scales))
         grid, launcher = plan
+        # takes() let a capture through only at these rows
+        capturing = (
+            M <= self.graph_max_tokens and torch.cuda.is_current_stream_capturing()
+        )
         sums, arrivals = stream_scratch(
-            _SCRATCH, self.device, M * N, 1, True, capturing=False, stream=stream
+            _SCRATCH, self.device, M * N, 1, True, capturing=capturing, stream=stream
         )
         sizes = (M, H, I, N, H, 1, *self.strides)
         # out and the scratch come from the allocator (aligned)

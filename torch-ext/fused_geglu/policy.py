@@ -21,9 +21,10 @@ Measured on the H200, the sizes in the tuning tables on the H100 too (docs/decis
 - decode (at most ONE_LAUNCH_MAX_TOKENS tokens, inference, where the dual GEMM runs), eager
   calls: the whole MLP in one launch (one_launch.py), for less host time than the two
   kernels at somewhat more GPU time. In a CUDA graph or under torch.compile the host time
-  is not spent per call, so the two kernels run there; and with
-  ``torch.use_deterministic_algorithms(True)``, since the one launch's fp32 sums are
-  atomic.
+  is not spent per call, so the two kernels run there, except in captures of up to the
+  table's ``one_launch_graph_max_tokens`` tokens (16-bit weights), where the one launch
+  measured faster on that GPU; and with ``torch.use_deterministic_algorithms(True)``,
+  since the one launch's fp32 sums are atomic.
 - FP8 (transformers' ``FP8Linear`` projections): fp8/mlp.py.
 
 A layer runs our kernels only where they reproduce the module's forward (reproduction.py,
@@ -87,12 +88,15 @@ def cublas_rows(x: torch.Tensor) -> bool:
     return fewest <= math.prod(x.shape[:-1]) <= most
 
 
-def one_launch_runs(x: torch.Tensor) -> bool:
+def one_launch_runs(x: torch.Tensor, fp8: bool) -> bool:
     """Whether one launch computes the MLP of ``x`` where the dual GEMM (16-bit) or the FP8
-    kernels would run (see the module docstring): an eager call (not compiled, not
-    captured in a CUDA graph: there no host time is spent per call, and the two kernels
-    take less GPU time), few tokens, atomics allowed."""
-    return not torch.compiler.is_compiling() and one_launch_fits(x)
+    kernels would run (see the module docstring): not compiled, few tokens, atomics
+    allowed; in a CUDA graph capture only up to the table's
+    ``one_launch_graph_max_tokens`` rows of 16-bit weights."""
+    if torch.compiler.is_compiling():
+        return False
+    graph_max_tokens = 0 if fp8 else table(x.device).one_launch_graph_max_tokens
+    return one_launch_fits(x, graph_max_tokens)
 
 
 def down_projection(h, weight, bias, fused: bool) -> torch.Tensor:
@@ -117,7 +121,7 @@ def geglu_mlp(x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate):
         )
         return F.linear(h, w_down, b_down)
     fused = fuse_projections(x)
-    if fused and not training and one_launch_runs(x):
+    if fused and not training and one_launch_runs(x, fp8=False):
         return autograd.one_launch_mlp(
             x, w_gate, w_up, w_down, b_gate, b_up, b_down, approximate
         )

@@ -80,6 +80,9 @@ class Tuning:
     # one_launch_mlp_kernel: BLOCK_I (halved where the intermediate columns would fill less than
     # half the SMs), BLOCK_K, BLOCK_N, BLOCK_FINAL, num_warps, num_stages
     one_launch: dict
+    # the most tokens a CUDA graph capture computes in one launch (16-bit weights; FP8 and
+    # larger captures the two kernels): 0 where the two kernels took less GPU time
+    one_launch_graph_max_tokens: int
     # contiguous operands, one long row: (elements per program, warps), per direction
     flat_forward: tuple
     flat_backward: tuple
@@ -147,6 +150,7 @@ INTERPRETER = Tuning(
         "num_warps": 4,
         "num_stages": 1,
     },
+    one_launch_graph_max_tokens=0,  # the interpreter captures no graphs
     flat_forward=(16384, 4),
     flat_backward=(16384, 4),
     row_tile_elements=8192,

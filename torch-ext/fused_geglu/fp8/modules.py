@@ -28,7 +28,7 @@ def geglu_mlp_fp8(x, weights: tuple, scales: tuple, biases: tuple, approximate: 
     (w_gate, w_up, w_down), (b_gate, b_up, b_down) = weights, biases
     return mlp.geglu_mlp_fp8(
         x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate, b_up, b_down,
-        approximate, one_launch_runs(x),
+        approximate, one_launch_runs(x, fp8=True),
     )  # fmt: skip
 
 

@@ -486,6 +486,8 @@ E2E_MODELS = {
 }
 # gemm.one_launch_config's choice, as tune.py's decode sweep names it.
 DECODE_CONFIG = "(128, 128, 256, 8, 3)"
+# tune.py's one-launch candidates name their tiles in this order
+ONE_LAUNCH_TILES = ("BLOCK_I", "BLOCK_K", "BLOCK_N", "num_warps", "num_stages")
 E2E_TASKS = {
     "prefill": "prefill, ms",
     "generate": "`generate()`, default cache, ms per token",
@@ -532,14 +534,24 @@ def e2e_section(path: Path, result: dict) -> list[str]:
 # The decode rows README.md shows (docs/results.md: all).
 def decode_section(path: Path, result: dict) -> list[str]:
     """The decode MLP's GPU time in one kernel (eager calls) and in two (CUDA graphs,
-    torch.compile), from tune.py's decode sweep: the configuration the table uses."""
-    decode = result["decode_mlp"]
+    torch.compile), from tune.py's decode sweep: the configuration the table uses (an
+    older sweep's ``decode_mlp``: DECODE_CONFIG; tune.py's ``decode``: the table it wrote,
+    with the token counts a CUDA graph computes in one kernel)."""
+    if "decode" in result:
+        sweep, tiles = result["decode"], result["table"]["one_launch"]
+        config = str(tuple(tiles[k] for k in ONE_LAUNCH_TILES))
+        decode = {t: row for t, row in sweep.items() if t.isdigit()}
+        most = sweep["one_launch_graph_max_tokens"]
+        upto = f"{most} token{'s' if most > 1 else ''}"
+        graphs = f"CUDA graphs two (one up to {upto}), " if most else "CUDA graphs "
+    else:
+        decode, config, graphs = result["decode_mlp"], DECODE_CONFIG, "CUDA graphs "
     fp8 = all("fp8_one_kernel" in row for row in decode.values())
     rows = []
     for tokens, row in decode.items():
         cells = [
             tokens,
-            ms(row[DECODE_CONFIG]),
+            ms(row[config]),
             ms(row["two_kernels"]),
             ms(row["eager"]),
         ]
@@ -549,7 +561,7 @@ def decode_section(path: Path, result: dict) -> list[str]:
     lines = paragraph(
         f"Gemma-2B decode MLP, {stamp(result['env'])}, GPU ms by CUDA-graph replay "
         f"(`{path.relative_to(ROOT)}`): eager calls run one kernel (half the host time), "
-        f"CUDA graphs and torch.compile two:"
+        f"{graphs}and torch.compile two:"
     )
     head = [
         "tokens",

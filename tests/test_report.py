@@ -480,6 +480,30 @@ def test_tune_graph_max_tokens():
     assert tune.graph_max_tokens(sweep(0.075, 0.075), "(b)") == 16
 
 
+def test_decode_section_reads_both_sweep_formats(tmp_path, monkeypatch):
+    """The decode table from tune.py's ``decode`` sweep (the tiles of the table it wrote,
+    the graphs' one-launch tokens named) and from an older ``decode_mlp`` sweep."""
+    monkeypatch.setattr(render, "ROOT", tmp_path)
+    env = {"device": "GPU X", "date": "2026-12-07"}
+    tiles = dict(zip(render.ONE_LAUNCH_TILES, (128, 128, 128, 8, 3)))
+    row = {"(128, 128, 128, 8, 3)": 0.071, "(128, 128, 256, 8, 3)": 0.5,
+           "two_kernels": 0.073, "eager": 0.079}  # fmt: skip
+    new = {
+        "env": env,
+        "decode": {"floor_ms": 0.066, "1": row, "one_launch_graph_max_tokens": 1},
+        "table": {"one_launch": {**tiles, "BLOCK_FINAL": 1024}},
+    }
+    text = "\n".join(render.decode_section(tmp_path / "new.json", new))
+    assert "| 1 | 0.0710 | 0.0730 | 0.0790 |" in text
+    assert "CUDA graphs two (one up to 1 token), and torch.compile two" in " ".join(
+        text.split()
+    )
+    old = {"env": env, "decode_mlp": {"1": {**row, render.DECODE_CONFIG: 0.056}}}
+    text = "\n".join(render.decode_section(tmp_path / "old.json", old))
+    assert "| 1 | 0.0560 | 0.0730 | 0.0790 |" in text
+    assert "CUDA graphs and torch.compile two" in " ".join(text.split())
+
+
 def test_tune_source_names_the_sweep(tmp_path):
     """A written table's source names its sweep from the checkout's root where the sweep
     lies inside it, whole where it does not."""

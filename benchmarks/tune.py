@@ -130,7 +130,7 @@ def one_launch_candidates(table) -> dict:
 def decode_mlp(ours, table) -> tuple[dict, dict]:
     """The one-launch MLP's tiles at 1 and 16 tokens (CUDA-graph replay), against the
     weight-streaming floor (the three weights at the measured copy rate), eager and the
-    two kernels: the candidate with the least time summed over both, and
+    two kernels: the candidate with the least time summed over both (``chosen``), and
     ``one_launch_graph_max_tokens`` the most tokens up to which it beat the two kernels at
     each count measured (0: at none)."""
     gm = ours.gemm
@@ -164,7 +164,7 @@ def decode_mlp(ours, table) -> tuple[dict, dict]:
         if isinstance(result["1"][name], float)
         and isinstance(result["16"][name], float)
     }
-    best = fastest(total)
+    result["chosen"] = best = fastest(total)
     result["one_launch_graph_max_tokens"] = most = graph_max_tokens(result, best)
     return result, {**candidates[best], "one_launch_graph_max_tokens": most}
 

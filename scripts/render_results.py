@@ -486,8 +486,6 @@ E2E_MODELS = {
 }
 # gemm.one_launch_config's choice, as tune.py's decode sweep names it.
 DECODE_CONFIG = "(128, 128, 256, 8, 3)"
-# tune.py's one-launch candidates name their tiles in this order
-ONE_LAUNCH_TILES = ("BLOCK_I", "BLOCK_K", "BLOCK_N", "num_warps", "num_stages")
 E2E_TASKS = {
     "prefill": "prefill, ms",
     "generate": "`generate()`, default cache, ms per token",
@@ -535,11 +533,11 @@ def e2e_section(path: Path, result: dict) -> list[str]:
 def decode_section(path: Path, result: dict) -> list[str]:
     """The decode MLP's GPU time in one kernel (eager calls) and in two (CUDA graphs,
     torch.compile), from tune.py's decode sweep: the configuration the table uses (an
-    older sweep's ``decode_mlp``: DECODE_CONFIG; tune.py's ``decode``: the table it wrote,
-    with the token counts a CUDA graph computes in one kernel)."""
+    older sweep's ``decode_mlp``: DECODE_CONFIG; tune.py's ``decode``: the candidate it
+    chose, with the token counts a CUDA graph computes in one kernel)."""
     if "decode" in result:
-        sweep, tiles = result["decode"], result["table"]["one_launch"]
-        config = str(tuple(tiles[k] for k in ONE_LAUNCH_TILES))
+        sweep = result["decode"]
+        config = sweep["chosen"]
         decode = {t: row for t, row in sweep.items() if t.isdigit()}
         most = sweep["one_launch_graph_max_tokens"]
         upto = f"{most} token{'s' if most > 1 else ''}"

@@ -481,18 +481,14 @@ def test_tune_graph_max_tokens():
 
 
 def test_decode_section_reads_both_sweep_formats(tmp_path, monkeypatch):
-    """The decode table from tune.py's ``decode`` sweep (the tiles of the table it wrote,
-    the graphs' one-launch tokens named) and from an older ``decode_mlp`` sweep."""
+    """The decode table from tune.py's ``decode`` sweep (the candidate it chose, the
+    graphs' one-launch tokens named) and from an older ``decode_mlp`` sweep."""
     monkeypatch.setattr(render, "ROOT", tmp_path)
     env = {"device": "GPU X", "date": "2026-12-07"}
-    tiles = dict(zip(render.ONE_LAUNCH_TILES, (128, 128, 128, 8, 3)))
     row = {"(128, 128, 128, 8, 3)": 0.071, "(128, 128, 256, 8, 3)": 0.5,
            "two_kernels": 0.073, "eager": 0.079}  # fmt: skip
-    new = {
-        "env": env,
-        "decode": {"floor_ms": 0.066, "1": row, "one_launch_graph_max_tokens": 1},
-        "table": {"one_launch": {**tiles, "BLOCK_FINAL": 1024}},
-    }
+    sweep = {"floor_ms": 0.066, "1": row, "chosen": "(128, 128, 128, 8, 3)"}
+    new = {"env": env, "decode": {**sweep, "one_launch_graph_max_tokens": 1}}
     text = "\n".join(render.decode_section(tmp_path / "new.json", new))
     assert "| 1 | 0.0710 | 0.0730 | 0.0790 |" in text
     assert "CUDA graphs two (one up to 1 token), and torch.compile two" in " ".join(

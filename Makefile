@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # there the Triton interpreter runs the kernels under INTERPRETER_TRITON, any Triton torch
 # ships (3.6-3.9), e.g. `make test INTERPRETER_TRITON=3.6.0 VENV=.venv-3.6`.
 INTERPRETER_TRITON ?= 3.9.0
+# Triton 3.6's interpreter indexes with 1-element arrays, which NumPy 2.4 refuses
+# (triton-lang/triton#9171, fixed in 3.7).
+INTERPRETER_PINS := triton==$(INTERPRETER_TRITON) $(if $(filter 3.6.%,$(INTERPRETER_TRITON)),"numpy<2.4")
 STAMP := $(VENV)/.installed-$(shell cksum requirements-test.txt | cut -d' ' -f1)-$(INTERPRETER_TRITON)
 
 .PHONY: setup build test demo lint bench report e2e results upload clean precompile
@@ -16,7 +19,7 @@ $(STAMP): requirements-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-test.txt
 	@if $(PY) -c "import sys, torch; sys.exit(bool(torch.version.cuda or torch.version.hip))"; \
-	then $(PY) -m pip install -q triton==$(INTERPRETER_TRITON); fi
+	then $(PY) -m pip install -q $(INTERPRETER_PINS); fi
 	rm -f $(VENV)/.installed-* && touch $@
 
 build: $(STAMP)

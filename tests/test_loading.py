@@ -304,21 +304,40 @@ def test_loading_makes_no_network_access(device):
     assert result.returncode == 0, result.stderr
 
 
-def test_interpreter_set_after_triton_import_is_named():
-    """TRITON_INTERPRET=1 set after triton was imported (its library already jitted for
-    the GPU): a function refuses CPU tensors and a kernelized layer runs its module's own
-    forward with a warning, both naming the fix, instead of Triton's error."""
+# Each way the interpreter cannot run our kernels: (what the script does before loading
+# the package, TRITON_INTERPRET in its environment, the fix the errors name).
+UNUSABLE_INTERPRETERS = {
+    "set after triton's import": (
+        'import torch, triton; os.environ["TRITON_INTERPRET"] = "1"',
+        None,
+        "set it before the first `import triton`",
+    ),
+    "Triton 3.6 under NumPy 2.4": (
+        'import numpy, torch, triton; triton.__version__, numpy.__version__ = "3.6.0", "2.4.0"',
+        "1",
+        "install numpy<2.4 or Triton 3.7 or later",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", UNUSABLE_INTERPRETERS)
+def test_unusable_interpreter_is_named(case):
+    """Where the interpreter cannot run our kernels (TRITON_INTERPRET=1 set after triton
+    was imported, its library already jitted for the GPU; Triton before 3.7 under NumPy
+    2.4, triton-lang/triton#9171): a function refuses CPU tensors and a kernelized layer
+    runs its module's own forward with a warning, both naming the fix, instead of
+    Triton's error."""
+    prelude, interpret, fix = UNUSABLE_INTERPRETERS[case]
     script = f"""
         import os, warnings
         from pathlib import Path
-        import torch, triton
-        os.environ["TRITON_INTERPRET"] = "1"
+        {prelude}
         from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
         from kernels import get_local_kernel, replace_kernel_forward_from_hub
         from transformers import GemmaConfig
         from transformers.models.gemma.modeling_gemma import GemmaMLP
 
-        fix = "set it before the first `import triton`"
+        fix = {fix!r}
         module = get_local_kernel(Path({str(ROOT)!r}))
         x = torch.randn(4, 16)
         try:
@@ -339,5 +358,24 @@ def test_interpreter_set_after_triton_import_is_named():
         assert any(fix in str(w.message) for w in caught), [str(w.message) for w in caught]
         assert torch.equal(got, expected)
     """
-    result = run_python(script, no_network=True, TRITON_INTERPRET=None)
+    result = run_python(script, no_network=True, TRITON_INTERPRET=interpret)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "triton_version, numpy_version, fails",
+    [
+        ("3.6.0", "2.4.0", True),
+        ("3.6.1+git0123abc", "2.10.1", True),
+        ("3.6.0", "2.3.5", False),
+        ("3.7.1", "2.4.6", False),
+        ("3.10.0", "2.4.6", False),
+    ],
+)
+def test_interpreter_index_fails(fused_geglu, triton_version, numpy_version, fails):
+    """The versions whose interpreter cannot index with a program id (Triton before 3.7,
+    NumPy 2.4 or later), compared as numbers: 3.10 is after 3.7."""
+    assert (
+        fused_geglu.launch.interpreter_index_fails(triton_version, numpy_version)
+        is fails
+    )

@@ -35,18 +35,42 @@ if not INTERPRETED and (torch.version.cuda or torch.version.hip):
     with contextlib.suppress(ImportError):
         import triton.experimental.gluon.nvidia.hopper
 
-# Why the CPU cannot run the kernels in this process, or None where it can. With
-# TRITON_INTERPRET=1 set after triton was imported, Triton's own library (tl.sigmoid ...)
-# was jitted for the GPU and the interpreter cannot call it.
-if not INTERPRETED:
-    CPU_UNAVAILABLE = "set TRITON_INTERPRET=1 before importing triton"
-elif isinstance(triton.language.standard.sigmoid, JITFunction):
-    CPU_UNAVAILABLE = (
-        "TRITON_INTERPRET=1 was set after triton was imported: set it before the first "
-        "`import triton` (or in the shell)"
-    )
-else:
-    CPU_UNAVAILABLE = None
+
+def interpreter_index_fails(triton_version: str, numpy_version: str) -> bool:
+    """Whether Triton's interpreter fails where a program id serves as a Python index (the
+    GEMMs' tile loops): before Triton 3.7 it converts a 1-element array with ``int()``,
+    which NumPy 2.4 refuses (triton-lang/triton#9171)."""
+
+    def major_minor(version: str) -> tuple[int, int]:
+        major, minor = version.split(".")[:2]
+        return int(major), int(minor)
+
+    return major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4)
+
+
+def _cpu_unavailable() -> str | None:
+    """Why the CPU cannot run the kernels in this process, or None where it can. With
+    TRITON_INTERPRET=1 set after triton was imported, Triton's own library (tl.sigmoid
+    ...) was jitted for the GPU and the interpreter cannot call it."""
+    if not INTERPRETED:
+        return "set TRITON_INTERPRET=1 before importing triton"
+    if isinstance(triton.language.standard.sigmoid, JITFunction):
+        return (
+            "TRITON_INTERPRET=1 was set after triton was imported: set it before the "
+            "first `import triton` (or in the shell)"
+        )
+    import numpy  # the interpreter's own dependency
+
+    if interpreter_index_fails(triton.__version__, numpy.__version__):
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run under NumPy "
+            f"{numpy.__version__}, triton-lang/triton#9171: install numpy<2.4 or "
+            "Triton 3.7 or later"
+        )
+    return None
+
+
+CPU_UNAVAILABLE = _cpu_unavailable()
 
 
 def _toolkit_version(root: str) -> str | None:
